@@ -1,0 +1,24 @@
+"""Guest images: the kernel and initramfs every forkd VM boots.
+
+Build one with :func:`build_image` (``forkd image build``), find built ones
+with :func:`load_image` and :func:`list_images`; :func:`ensure_image` is what
+a session calls to get a bootable image, building the default on first use.
+"""
+
+from __future__ import annotations
+
+from .builder import build_image, ensure_image, image_key
+from .catalog import Image, list_images, load_image
+from .recipe import Recipe, load_default_recipe, load_recipe
+
+__all__ = [
+    "Image",
+    "Recipe",
+    "build_image",
+    "ensure_image",
+    "image_key",
+    "list_images",
+    "load_default_recipe",
+    "load_image",
+    "load_recipe",
+]

@@ -1,0 +1,94 @@
+"""The run directory: everything one process's VMs create, in one place.
+
+RAM files, sockets and console logs of every VM started by a process live in
+``/dev/shm/pytest-forkd/run-<pid>-<token>/``. Removing that directory removes
+every byte a run left behind, and a directory whose owner process is gone is
+recognisably stale: the next run kills whatever QEMU still references it and
+removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+from pathlib import Path
+
+from ..paths import shm_root
+
+OWNER_FILE = "owner.json"
+
+
+def _process_start_time(pid: int) -> str | None:
+    """Kernel start time of ``pid`` (field 22 of /proc/PID/stat), to detect PID reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_alive(directory: Path) -> bool:
+    try:
+        owner = json.loads((directory / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return _process_start_time(int(owner.get("pid", -1))) == owner.get("start_time")
+
+
+def _kill_processes_referencing(directory: Path) -> int:
+    """SIGKILL every process whose command line mentions ``directory``."""
+    needle = str(directory).encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    return killed
+
+
+def clean_stale(root: Path | None = None) -> list[Path]:
+    """Remove run directories (and kill their QEMUs) whose owner process is gone."""
+    root = root or shm_root()
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for directory in root.glob("run-*"):
+        if directory.is_dir() and not _owner_alive(directory):
+            _kill_processes_referencing(directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
+class RunDir:
+    """A fresh run directory owned by this process; ``close()`` removes it."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        root = root or shm_root()
+        root.mkdir(parents=True, exist_ok=True)
+        clean_stale(root)
+        self.path = root / f"run-{os.getpid()}-{secrets.token_hex(3)}"
+        self.path.mkdir()
+        owner = {"pid": os.getpid(), "start_time": _process_start_time(os.getpid())}
+        (self.path / OWNER_FILE).write_text(json.dumps(owner))
+        self._counter = 0
+
+    def new_name(self, prefix: str = "vm") -> str:
+        self._counter += 1
+        return f"{prefix}{self._counter}"
+
+    def close(self) -> None:
+        _kill_processes_referencing(self.path)
+        shutil.rmtree(self.path, ignore_errors=True)

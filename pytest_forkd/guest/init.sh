@@ -1,0 +1,78 @@
+#!/bin/sh
+# /init of a forkd guest: PID 1, run by busybox sh straight from the initramfs.
+#
+# It mounts the kernel filesystems, loads the virtio modules the agent's port
+# needs, finds that port and keeps the agent running on it. Everything it
+# prints goes to the console, which users see when a guest fails to start,
+# so each failure says what is missing.
+
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+# With `-serial none` the kernel finds no console and starts init with fds
+# 0-2 closed; anything opened first would land on them, so fix them before
+# anything else. devtmpfs provides /dev/console and /dev/null.
+mount -t devtmpfs devtmpfs /dev 2>/dev/null
+if (: </dev/console >/dev/console) 2>/dev/null; then
+    exec </dev/console >/dev/console 2>&1
+else
+    exec </dev/null >/dev/null 2>&1
+fi
+
+log() { echo "forkd-init: $*"; }
+
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp
+mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run
+mkdir -p /dev/shm /dev/pts
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm
+mount -t devpts -o gid=5,mode=620 devpts /dev/pts 2>/dev/null
+
+hostname forkd
+if command -v ip >/dev/null; then
+    ip link set lo up
+else
+    ifconfig lo 127.0.0.1 up
+fi
+
+# The build wrote the modules' load order, dependencies first.
+while read -r module; do
+    insmod "/lib/modules/forkd/$module.ko" || log "cannot load kernel module $module"
+done </etc/forkd/modules
+
+# The host names its virtio-serial port "agent"; its device node is /dev/<port dir>.
+find_agent_port() {
+    for name_file in /sys/class/virtio-ports/*/name; do
+        [ -r "$name_file" ] || continue
+        read -r port_name <"$name_file" || continue
+        if [ "$port_name" = agent ]; then
+            port_dir=${name_file%/name}
+            port=/dev/${port_dir##*/}
+            [ -c "$port" ] && return 0
+        fi
+    done
+    return 1
+}
+port=
+attempts=0
+until find_agent_port; do
+    attempts=$((attempts + 1))
+    if [ "$attempts" -ge 500 ]; then
+        log "no virtio-serial port named 'agent' after 5 s; start QEMU with" \
+            "-device virtio-serial-device -device virtserialport,chardev=...,name=agent"
+        log "virtio ports present: $(ls /sys/class/virtio-ports 2>/dev/null)"
+        exit 1  # PID 1 exiting panics the kernel; with panic=-1 and -no-reboot QEMU exits
+    fi
+    sleep 0.01
+done
+
+export HOME=/root LANG=C.UTF-8
+[ -r /etc/forkd/env ] && . /etc/forkd/env
+cd /root || cd /
+
+while :; do
+    echo "forkd-agent: starting on $port"
+    /usr/bin/python3 /opt/forkd/agent.py "$port"
+    echo "forkd-agent: exited with status $?; restarting in 0.1 s"
+    sleep 0.1
+done

@@ -1,0 +1,189 @@
+"""Assemble the guest's root tree: unpacked packages, busybox applets, the agent, /init.
+
+The tree becomes the initramfs, so it is the whole guest filesystem: it lives
+in RAM in every VM and in every memory snapshot. What the guest never reads
+(documentation, translations) is dropped, and the Python standard library is
+byte-compiled here because Debian ships no .pyc files and compiling imports
+under TCG emulation doubles the agent's start time (DESIGN.md section 3b).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from ..errors import ImageError
+from .debian import unpack
+from .kernel import KernelParts
+from .recipe import FileSpec
+
+AGENT_DIR = "opt/forkd"
+MODULES_DIR = "lib/modules/forkd"
+CONFIG_DIR = "etc/forkd"
+MULTIARCH = "x86_64-linux-gnu"
+# Never read in the guest. gconv holds glibc's iconv charset modules (8 MB, a
+# seventh of the image); Python has its own codecs and never loads them.
+PRUNED_DIRS = (
+    "usr/share/doc",
+    "usr/share/man",
+    "usr/share/locale",
+    "usr/share/info",
+    "usr/share/lintian",
+    f"usr/lib/{MULTIARCH}/gconv",
+)
+# Mount points and home that init expects; device nodes are added by the archive writer.
+SKELETON_DIRS = ("dev", "proc", "sys", "tmp", "run", "root", "mnt", CONFIG_DIR, MODULES_DIR, AGENT_DIR)
+
+
+def guest_files() -> dict[str, Path]:
+    """The package's files that run inside the guest, by their name in the guest.
+
+    They are part of the image key: editing the agent or init rebuilds the image.
+    """
+    guest_package = resources.files("pytest_forkd.guest")
+    files = {
+        "agent.py": Path(str(guest_package / "agent.py")),
+        "wire.py": Path(str(guest_package / "wire.py")),
+        "init.sh": Path(str(guest_package / "init.sh")),
+    }
+    missing = [str(path) for path in files.values() if not path.is_file()]
+    if missing:
+        raise ImageError(
+            f"the guest files {', '.join(missing)} are missing from the installed pytest-forkd; "
+            "reinstall it (pip install --force-reinstall pytest-forkd)"
+        )
+    return files
+
+
+def assemble_root(
+    root: Path,
+    debs: Iterable[Path],
+    kernel: KernelParts,
+    files: Iterable[FileSpec],
+    env: Mapping[str, str],
+    progress: Callable[[str], None],
+) -> None:
+    """Fill ``root`` with everything the guest needs, ready to be archived."""
+    debs = list(debs)
+    progress(f"unpacking {len(debs)} packages")
+    for deb in debs:
+        unpack(deb, root)
+    for pruned in PRUNED_DIRS:
+        shutil.rmtree(root / pruned, ignore_errors=True)
+    for directory in SKELETON_DIRS:
+        (root / directory).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    os.chmod(root / "root", 0o700)
+
+    install_busybox_links(root)
+    python = link_python3(root)
+    install_modules(root, kernel)
+    write_env_file(root / CONFIG_DIR / "env", env)
+
+    sources = guest_files()
+    for name in ("agent.py", "wire.py"):
+        shutil.copyfile(sources[name], root / AGENT_DIR / name)
+    shutil.copyfile(sources["init.sh"], root / "init")
+    os.chmod(root / "init", 0o755)
+
+    for spec in files:
+        target = root / spec.dest.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(spec.src, target)
+        if spec.mode is not None:
+            os.chmod(target, spec.mode)
+
+    progress("byte-compiling the guest's Python library")
+    byte_compile(root, python)
+
+
+def install_busybox_links(root: Path) -> None:
+    """Symlink every busybox applet (sh, mount, insmod...) that no package already provides."""
+    busybox = root / "bin" / "busybox"
+    if not busybox.is_file():
+        raise ImageError(
+            "the image has no /bin/busybox; the guest's /init needs it: keep busybox-static in the recipe's packages"
+        )
+    listing = subprocess.run(
+        [str(busybox), "--list-full"], capture_output=True, text=True, check=False
+    )
+    if listing.returncode != 0:
+        raise ImageError(f"cannot list busybox applets ({busybox} --list-full): {listing.stderr.strip()}")
+    for applet in listing.stdout.split():
+        link = root / applet
+        if os.path.lexists(link):
+            continue
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to("/bin/busybox")
+
+
+def link_python3(root: Path) -> Path:
+    """Point /usr/bin/python3 at the image's interpreter (Debian's python3.X-minimal has no such link)."""
+    interpreters = sorted(
+        (path for path in (root / "usr" / "bin").glob("python3.*") if path.name[len("python3."):].isdigit()),
+        key=lambda path: int(path.name[len("python3."):]),
+    )
+    if not interpreters:
+        raise ImageError(
+            "the image has no Python interpreter (usr/bin/python3.X); the agent needs one: "
+            "keep python3.11-minimal and libpython3.11-stdlib in the recipe's packages"
+        )
+    python = interpreters[-1]
+    link = root / "usr" / "bin" / "python3"
+    if not os.path.lexists(link):
+        link.symlink_to(python.name)
+    return python
+
+
+def install_modules(root: Path, kernel: KernelParts) -> None:
+    """Copy the modules and write their load order, one name per line, for /init."""
+    names = []
+    for module in kernel.modules:
+        shutil.copyfile(module, root / MODULES_DIR / module.name)
+        names.append(module.stem)
+    (root / CONFIG_DIR / "modules").write_text("".join(f"{name}\n" for name in names))
+
+
+def write_env_file(path: Path, env: Mapping[str, str]) -> None:
+    """The recipe's environment as a shell snippet that /init sources before starting the agent."""
+    path.write_text("".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted(env.items())))
+
+
+def byte_compile(root: Path, python: Path) -> None:
+    """Compile the guest's Python files with the guest's own interpreter, run on the host.
+
+    The interpreter is started through the tree's dynamic loader with the
+    tree's libraries, so the result does not depend on the host's Python.
+    The .pyc files record guest paths (``-s root -p /``) and use unchecked
+    hashes, so no source timestamp check can invalidate them in the guest.
+    """
+    loader = root / "lib" / MULTIARCH / "ld-linux-x86-64.so.2"
+    if not loader.is_file():
+        raise ImageError(f"the image has no dynamic loader at {loader}; keep libc6 in the image")
+    version = python.name[len("python"):]
+    targets = [
+        path
+        for path in (root / "usr/lib" / f"python{version}", root / "usr/lib/python3/dist-packages", root / AGENT_DIR)
+        if path.is_dir()
+    ]
+    library_path = f"{root / 'lib' / MULTIARCH}:{root / 'usr/lib' / MULTIARCH}"
+    command = [
+        str(loader), "--library-path", library_path, str(python),
+        "-S", "-m", "compileall", "-q", "-j0",
+        "-s", str(root), "-p", "/",
+        "--invalidation-mode", "unchecked-hash",
+        *map(str, targets),
+    ]
+    completed = subprocess.run(
+        command,
+        env={"PYTHONHOME": str(root / "usr"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        capture_output=True, text=True, check=False,
+    )
+    if completed.returncode != 0:
+        output = (completed.stdout + completed.stderr).strip()[-2000:]
+        raise ImageError(f"byte-compiling the guest's Python library failed: {output}")

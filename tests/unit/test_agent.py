@@ -1,0 +1,419 @@
+"""The guest agent, run in a thread over a socketpair and driven by the real client."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_forkd.errors import AgentError, ExecTimeout
+from pytest_forkd.guest import wire
+from pytest_forkd.guest.agent import Agent
+from pytest_forkd.guest.client import AgentClient, GuestOSError
+
+
+class AgentUnderTest:
+    """An agent serving one end of a socketpair; records what it logs and how it syncs the clock."""
+
+    def __init__(self, clock_error: OSError | None = None) -> None:
+        self.log: list[str] = []
+        self.clock: list[float] = []
+        self.seeds: list[bytes] = []
+        self._clock_error = clock_error
+        self.host_end, self._guest_end = socket.socketpair()
+        agent = Agent(
+            self._guest_end.fileno(),
+            self._guest_end.fileno(),
+            set_clock=self._set_clock,
+            reseed=self.seeds.append,
+            log=self.log.append,
+        )
+        self._thread = threading.Thread(target=agent.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _set_clock(self, seconds: float) -> None:
+        self.clock.append(seconds)
+        if self._clock_error is not None:
+            raise self._clock_error
+
+    def stop(self) -> None:
+        """Close the host end and check that the agent returns on end of input."""
+        self.host_end.close()
+        self._thread.join(timeout=5)
+        assert not self._thread.is_alive(), "the agent did not stop at end of input"
+        self._guest_end.close()
+
+
+class RawChannel:
+    """Speaks the wire protocol by hand, to send what the client never would."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(5)
+        self.sock = sock
+        self._reader = wire.FrameReader(sock.recv)
+
+    def send(self, fields: dict, payload: bytes = b"") -> None:
+        self.sock.sendall(wire.encode_header(fields, len(payload)) + payload)
+
+    def receive(self) -> wire.Frame:
+        frame = self._reader.read_frame()
+        assert frame is not None, "the agent closed the channel"
+        return frame
+
+
+@pytest.fixture
+def agent() -> Iterator[AgentUnderTest]:
+    under_test = AgentUnderTest()
+    yield under_test
+    under_test.stop()
+
+
+@pytest.fixture
+def client(agent: AgentUnderTest) -> Iterator[AgentClient]:
+    with AgentClient(agent.host_end) as client:
+        yield client
+
+
+@pytest.fixture
+def raw(agent: AgentUnderTest) -> RawChannel:
+    return RawChannel(agent.host_end)
+
+
+def wait_until_dead(pid: int, within: float = 5.0) -> bool:
+    """True once ``pid`` is gone or a zombie (killed, waiting for its new parent to reap it)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# -- ping and epochs -----------------------------------------------------------------
+
+
+def test_ping_reports_pid_and_clocks(client: AgentClient) -> None:
+    reply = client.ping()
+
+    assert reply["pid"] == os.getpid()
+    assert reply["protocol"] == wire.PROTOCOL_VERSION
+    assert abs(reply["wall_time"] - time.time()) < 5
+    assert 0 < reply["monotonic"] <= time.monotonic()
+
+
+def test_new_epoch_sets_clock_and_reseeds_once_per_epoch(agent: AgentUnderTest, client: AgentClient) -> None:
+    client.ping()
+    client.ping()
+    assert len(agent.clock) == 1 and len(agent.seeds) == 1
+    assert abs(agent.clock[0] - time.time()) < 5
+    assert len(agent.seeds[0]) == 32
+
+    client.new_epoch()
+    client.ping()
+
+    assert len(agent.clock) == 2
+    assert len(agent.seeds) == 2 and agent.seeds[1] != agent.seeds[0]
+
+
+def test_failure_to_set_the_clock_does_not_fail_the_request() -> None:
+    agent = AgentUnderTest(clock_error=PermissionError(errno.EPERM, "Operation not permitted"))
+    try:
+        with AgentClient(agent.host_end) as client:
+            assert client.exec("echo still here").stdout == "still here\n"
+            assert any("cannot set the wall clock" in line for line in agent.log)
+            assert len(agent.seeds) == 1
+    finally:
+        agent.stop()
+
+
+# -- exec -----------------------------------------------------------------------------
+
+
+def test_exec_argv(client: AgentClient) -> None:
+    result = client.exec(["printf", "%s|", "a b", "c"])
+
+    assert result.ok
+    assert result.stdout == "a b|c|"
+    assert result.command == ("printf", "%s|", "a b", "c")
+    assert result.duration_ms > 0
+
+
+def test_exec_shell_keeps_streams_apart_and_reports_exit_code(client: AgentClient) -> None:
+    result = client.exec("echo out; echo err >&2; exit 3")
+
+    assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    assert not result.ok
+
+
+def test_exec_env_cwd_and_stdin(client: AgentClient, tmp_path: Path) -> None:
+    result = client.exec(
+        'printf "%s;" "$FORKD_TEST" "$PATH" "$(pwd)"; cat',
+        env={"FORKD_TEST": "value"},
+        cwd=str(tmp_path),
+        stdin="from stdin",
+    )
+
+    assert result.stdout == f"value;{os.environ['PATH']};{tmp_path};from stdin"
+
+
+def test_exec_stdin_larger_than_a_frame_and_a_pipe(client: AgentClient) -> None:
+    data = os.urandom(wire.CHUNK_SIZE * 3 + 12345)
+
+    result = client.exec(["cat"], stdin=data)
+
+    assert result.stdout_bytes == data
+
+
+def test_exec_without_stdin_reads_end_of_file(client: AgentClient) -> None:
+    assert client.exec(["cat"], timeout=5).stdout_bytes == b""
+
+
+def test_exec_reports_death_by_signal_as_negative_code(client: AgentClient) -> None:
+    assert client.exec("kill -TERM $$").exit_code == -signal.SIGTERM
+
+
+def test_missing_program_exits_127_like_a_shell(client: AgentClient) -> None:
+    result = client.exec(["forkd-no-such-program", "arg"])
+
+    assert result.exit_code == 127
+    assert "forkd-no-such-program" in result.stderr
+    assert "No such file or directory" in result.stderr
+
+
+def test_program_that_cannot_run_exits_126(client: AgentClient, tmp_path: Path) -> None:
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\necho hi\n")
+
+    result = client.exec([str(script)])
+
+    assert result.exit_code == 126
+    assert "Permission denied" in result.stderr
+
+
+def test_exec_in_missing_directory_is_an_error_with_errno(client: AgentClient, tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing")
+
+    with pytest.raises(GuestOSError) as caught:
+        client.exec(["true"], cwd=missing)
+
+    assert caught.value.errno == errno.ENOENT
+    assert caught.value.path == missing
+
+
+def test_timeout_kills_the_whole_process_group_and_keeps_partial_output(client: AgentClient) -> None:
+    started = time.monotonic()
+
+    with pytest.raises(ExecTimeout) as caught:
+        client.exec("sleep 30 & echo $!; echo partial; sleep 30", timeout=0.5)
+
+    elapsed = time.monotonic() - started
+    result = caught.value.result
+    background_pid = int(result.stdout.splitlines()[0])
+    assert result.timed_out and not result.ok
+    assert result.exit_code == -signal.SIGKILL
+    assert result.stdout.splitlines()[1] == "partial"
+    assert 0.5 <= elapsed < 5
+    assert wait_until_dead(background_pid), "the background grandchild survived the timeout"
+    assert "within 0.5 s" in str(caught.value)
+
+
+def test_huge_output_on_both_streams_does_not_deadlock(client: AgentClient) -> None:
+    size = 20_000_000
+    # stderr first: an agent reading only stdout would block the command forever.
+    result = client.exec(f"head -c {size} /dev/zero | tr '\\0' e >&2; head -c {size} /dev/zero | tr '\\0' o", timeout=30)
+
+    assert result.ok
+    assert len(result.stdout_bytes) == size and len(result.stderr_bytes) == size
+    assert set(result.stdout_bytes) == {ord("o")} and set(result.stderr_bytes) == {ord("e")}
+
+
+def test_background_process_does_not_hold_the_exec(client: AgentClient) -> None:
+    started = time.monotonic()
+    result = client.exec("sleep 30 & echo $!; echo done", timeout=10)
+    elapsed = time.monotonic() - started
+    background_pid = int(result.stdout.splitlines()[0])
+    try:
+        assert result.ok and result.stdout.splitlines()[1] == "done"
+        assert elapsed < 5
+        assert not wait_until_dead(background_pid, within=0.2), "background processes must keep running"
+    finally:
+        os.kill(background_pid, signal.SIGKILL)
+
+
+def test_concurrent_execs_from_several_threads(client: AgentClient) -> None:
+    results: dict[int, str] = {}
+
+    def run(number: int) -> None:
+        results[number] = client.exec(f"sleep 0.4; echo {number}", timeout=10).stdout
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(8)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert results == {n: f"{n}\n" for n in range(8)}
+    assert time.monotonic() - started < 2.5, "execs ran one after the other"
+
+
+def test_ping_is_answered_while_a_command_runs(client: AgentClient) -> None:
+    long_command = threading.Thread(target=client.exec, args=("sleep 0.6",))
+    long_command.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+
+    client.ping()
+
+    assert time.monotonic() - started < 0.5
+    long_command.join()
+
+
+# -- files --------------------------------------------------------------------------
+
+
+def test_file_round_trip_is_binary_safe_across_chunks(client: AgentClient, tmp_path: Path) -> None:
+    data = bytes(range(256)) * (2 * wire.CHUNK_SIZE // 256) + b"\x00\xff tail"
+    path = tmp_path / "blob"
+
+    client.write_file(str(path), data)
+
+    assert path.read_bytes() == data
+    assert client.read_file(str(path)) == data
+
+
+def test_empty_file_round_trip(client: AgentClient, tmp_path: Path) -> None:
+    path = str(tmp_path / "empty")
+
+    client.write_file(path, b"")
+
+    assert client.read_file(path) == b""
+
+
+def test_write_file_applies_mode_and_keeps_an_existing_mode(client: AgentClient, tmp_path: Path) -> None:
+    path = tmp_path / "script"
+    client.write_file(str(path), "#!/bin/sh\n", mode=0o750)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+
+    client.write_file(str(path), "#!/bin/sh\necho replaced\n")
+
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    assert client.exec([str(path)]).stdout == "replaced\n"
+
+
+def test_write_into_missing_directory_is_enoent(client: AgentClient, tmp_path: Path) -> None:
+    with pytest.raises(GuestOSError) as caught:
+        client.write_file(str(tmp_path / "missing" / "file"), b"data")
+
+    assert caught.value.errno == errno.ENOENT
+
+
+def test_write_over_a_directory_fails_and_leaves_no_temporary_file(client: AgentClient, tmp_path: Path) -> None:
+    target = tmp_path / "directory"
+    target.mkdir()
+
+    with pytest.raises(GuestOSError) as caught:
+        client.write_file(str(target), b"x" * (wire.CHUNK_SIZE + 1))
+
+    assert caught.value.errno == errno.EISDIR
+    assert caught.value.path == str(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["directory"]
+
+
+def test_read_missing_file_carries_enoent(client: AgentClient, tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope")
+
+    with pytest.raises(GuestOSError) as caught:
+        client.read_file(missing)
+
+    assert caught.value.errno == errno.ENOENT
+    assert caught.value.path == missing
+    assert missing in str(caught.value)
+    assert isinstance(caught.value, AgentError)
+
+
+def test_read_directory_is_eisdir(client: AgentClient, tmp_path: Path) -> None:
+    with pytest.raises(GuestOSError) as caught:
+        client.read_file(str(tmp_path))
+
+    assert caught.value.errno == errno.EISDIR
+
+
+# -- bad input ----------------------------------------------------------------------
+
+
+def test_unknown_operation_is_an_error_and_the_agent_keeps_serving(raw: RawChannel) -> None:
+    raw.send({"id": 1, "op": "frobnicate"})
+
+    error = raw.receive().fields
+    assert error["id"] == 1
+    assert error["error"]["type"] == "UnknownOperation"
+    assert "frobnicate" in error["error"]["message"]
+
+    raw.send({"id": 2, "op": "ping"})
+    assert raw.receive().fields["id"] == 2
+
+
+@pytest.mark.parametrize(
+    "request_fields",
+    [
+        {"op": "exec"},
+        {"op": "exec", "argv": "ls"},
+        {"op": "exec", "argv": ["ls"], "shell": "ls"},
+        {"op": "exec", "shell": "true", "timeout": -1},
+        {"op": "exec", "shell": "true", "env": {"A": 1}},
+        {"op": "read_file"},
+        {"op": "write_file", "path": 5},
+        {"op": "write_file", "path": "/tmp/x", "mode": 99999},
+    ],
+)
+def test_bad_requests_get_bad_request_errors(raw: RawChannel, request_fields: dict) -> None:
+    raw.send({"id": 3, **request_fields})
+
+    reply = raw.receive().fields
+
+    assert reply["id"] == 3
+    assert reply["error"]["type"] == "BadRequest"
+
+
+def test_malformed_frames_are_logged_and_skipped(agent: AgentUnderTest, raw: RawChannel) -> None:
+    body = b"{broken"
+    raw.sock.sendall(b"line noise" + wire.HEADER.pack(wire.MAGIC, len(body), 0) + body)
+    raw.send({"id": 4, "op": "ping"})
+
+    assert raw.receive().fields["id"] == 4
+    assert any("skipped 10 bytes" in line for line in agent.log)
+    assert any("unreadable" in line for line in agent.log)
+
+
+def test_continuation_for_unknown_request_is_dropped(agent: AgentUnderTest, raw: RawChannel) -> None:
+    raw.send({"id": 77, "more": False}, b"orphan chunk")
+    raw.send({"id": 5, "op": "ping"})
+
+    assert raw.receive().fields["id"] == 5
+    assert any("77" in line and "not in progress" in line for line in agent.log)
+
+
+def test_request_cut_short_by_end_of_input_leaves_no_upload_behind(agent: AgentUnderTest, tmp_path: Path) -> None:
+    raw = RawChannel(agent.host_end)
+    raw.send({"id": 6, "op": "write_file", "path": str(tmp_path / "upload"), "more": True}, b"first chunk")
+    raw.send({"id": 7, "op": "ping"})
+    assert raw.receive().fields["id"] == 7
+    assert len(list(tmp_path.iterdir())) == 1  # the temporary file of the upload in progress
+
+    agent.stop()
+
+    assert list(tmp_path.iterdir()) == []
+    assert any("dropped the partial request 6" in line for line in agent.log)
