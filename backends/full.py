@@ -16,16 +16,17 @@ from pytest_forkd.backend import MEMORY_FILE, STATE_FILE, Capture, CaptureSource
 from pytest_forkd.engine import memory
 
 
-def capture_flat(source: CaptureSource, target: Path) -> tuple[int, int]:
+def capture_flat(source: CaptureSource, target: Path, *, precopied: bool = False) -> tuple[int, int]:
     """Copy a *stopped* VM's memory into ``target/memory.ram``; returns (bytes written, dirty bytes).
 
     The VM's RAM file holds its memory, except for the pages a copy-on-write
     child changed: those are private pages of its mapping, copied over the
-    file copy from /proc/PID/mem.
+    file copy from /proc/PID/mem. With ``precopied`` the file copy was made
+    before the pause (possible when the RAM file is an immutable snapshot).
     """
     machine = source.machine
     destination = target / MEMORY_FILE
-    written = memory.copy_sparse(machine.ram_path, destination)
+    written = 0 if precopied else memory.copy_sparse(machine.ram_path, destination)
     start, length = machine.ram_mapping()
     ranges = memory.private_pages(machine.pid, start, length)
     if ranges:
@@ -45,15 +46,20 @@ class FullBackend(StorageBackend):
 
     def capture(self, source: CaptureSource, target: Path) -> Capture:
         machine = source.machine
+        # A child's RAM file is its (immutable) base snapshot: copy it while the
+        # VM runs, so the pause only covers the pages the child changed.
+        precopied = source.base is not None and not machine.owns_ram
+        written = memory.copy_sparse(machine.ram_path, target / MEMORY_FILE) if precopied else 0
         started = time.perf_counter()
         machine.stop()
         try:
             machine.save_device_state(target / STATE_FILE)
-            written, dirty = capture_flat(source, target)
+            copied, dirty = capture_flat(source, target, precopied=precopied)
         finally:
             machine.resume()
         pause_ms = (time.perf_counter() - started) * 1000
-        return Capture(pause_ms=pause_ms, bytes_written=written, memory_file=MEMORY_FILE, dirty_bytes=dirty)
+        return Capture(pause_ms=pause_ms, bytes_written=written + copied, memory_file=MEMORY_FILE,
+                       dirty_bytes=dirty, extra={"precopied_base": precopied})
 
 
 @hookimpl

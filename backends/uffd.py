@@ -3,26 +3,28 @@
 QEMU's ``background-snapshot`` migration write-protects guest RAM with
 userfaultfd and streams it out while the guest runs: a page is copied before
 the guest's first write to it, so the stream holds memory exactly as it was
-when the branch started. The pause is only the device-state save and the
-write-protect setup (~10 ms at 1 GiB on these machines).
+when the branch started. The guest is paused only while QEMU saves the device
+state and arms write protection.
 
-The stream is then materialised in the background: a loader QEMU (same machine
-arguments, ``-incoming``) reads it into a fresh flat RAM file, which is moved
-into the snapshot. Until then the snapshot's status is ``writing`` and forking
+The stream is materialised in the background: a loader QEMU (same machine
+arguments, ``-incoming``) reads it into a fresh flat RAM file, and the device
+state children load is saved from that loader, so memory and devices describe
+the same instant. Until then the snapshot's status is ``writing`` and forking
 it waits.
 
-The device state children load is saved by us with the VM stopped, right
-before the migration starts; QEMU's background migration stops the (already
-stopped) VM, enables write protection and restarts it itself, so the memory
-image and the device state describe the same instant.
+The pause is measured the way a guest sees it: the longest gap between
+consecutive agent round trips while the branch starts (QEMU's own downtime
+figure leaves out work done before its clock starts).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from pytest_forkd.backend import MEMORY_FILE, STATE_FILE, Capture, CaptureSource, StorageBackend, hookimpl
 from pytest_forkd.engine.host import userfaultfd_problem
@@ -31,6 +33,43 @@ from pytest_forkd.errors import SnapshotError
 
 MIGRATION_TIMEOUT_S = 600.0
 _counter = itertools.count(1)
+
+
+class PauseMeter:
+    """Pings the guest back to back on a thread; the longest gap between replies is the pause."""
+
+    def __init__(self, ping: Callable[[], object]) -> None:
+        self._ping = ping
+        self._stop = threading.Event()
+        self._replies: list[float] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="forkd-pause-meter", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._ping()
+                self._replies.append(time.perf_counter())
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self._error = exc
+
+    def start(self) -> float:
+        self._thread.start()
+        while len(self._replies) < 2 and self._thread.is_alive():
+            time.sleep(0.0005)
+        return time.perf_counter()
+
+    def replies_since(self, moment: float) -> int:
+        return sum(1 for t in self._replies if t > moment)
+
+    def stop(self, since: float) -> float:
+        """Longest gap (ms) between replies, counted from ``since``."""
+        self._stop.set()
+        self._thread.join(timeout=60)
+        if self._error is not None:
+            raise SnapshotError(f"the guest stopped answering during a live branch: {self._error}")
+        moments = [since] + [t for t in self._replies if t > since]
+        return max((b - a) * 1000 for a, b in zip(moments, moments[1:]))
 
 
 class UffdBackend(StorageBackend):
@@ -48,32 +87,35 @@ class UffdBackend(StorageBackend):
         qmp.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
         stream = machine.directory / f"{machine.name}.bgsnap{next(_counter)}"
         fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        started = time.perf_counter()
-        machine.stop()
+        meter = PauseMeter(source.ping)
+        started = meter.start()
         try:
-            machine.save_device_state(target / STATE_FILE)
             qmp.execute("getfd", {"fdname": "forkd-bgsnap"}, fds=[fd])
             qmp.execute("migrate", {"uri": "fd:forkd-bgsnap"})
-        except BaseException:
-            os.close(fd)
-            stream.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        try:
-            qmp.wait_until(lambda: machine.status() == "running", timeout=60,
-                           what="the VM to resume after write protection was set up", interval=0.0002)
-        except BaseException:
-            stream.unlink(missing_ok=True)
-            raise
-        pause_ms = (time.perf_counter() - started) * 1000
 
-        def finish(snapshot, store) -> tuple[Path, dict]:
+            def write_protection_armed() -> bool:
+                status = qmp.execute("query-migrate").get("status")
+                if status in ("failed", "cancelled"):
+                    raise SnapshotError(f"background snapshot of VM {machine.name} {status}")
+                return status != "setup" and machine.status() == "running" and meter.replies_since(
+                    time.perf_counter() - 0.002) > 0
+
+            qmp.wait_until(write_protection_armed, timeout=120, what="the live branch to start", interval=0.001)
+        except BaseException:
+            meter.stop(started)
+            stream.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        pause_ms = meter.stop(started)
+
+        def finish(snapshot, store) -> tuple[Path, Path, dict]:
             try:
                 _wait_migration(machine)
                 scratch = store.scratch_dir(snapshot.tag)
-                memory_tmp = scratch / MEMORY_FILE
-                _materialise(source, stream, memory_tmp)
-                return memory_tmp, {"bytes_written": os.stat(memory_tmp).st_blocks * 512}
+                memory_tmp, state_tmp = scratch / MEMORY_FILE, scratch / STATE_FILE
+                _materialise(source, stream, memory_tmp, state_tmp)
+                return memory_tmp, state_tmp, {"bytes_written": os.stat(memory_tmp).st_blocks * 512}
             finally:
                 stream.unlink(missing_ok=True)
 
@@ -96,14 +138,15 @@ def _wait_migration(machine: Machine) -> None:
         time.sleep(0.01)
 
 
-def _materialise(source: CaptureSource, stream: Path, memory_file: Path) -> None:
-    """Load the migration stream into a fresh flat RAM file with a loader QEMU."""
+def _materialise(source: CaptureSource, stream: Path, memory_file: Path, state_file: Path) -> None:
+    """Load the migration stream into a fresh flat RAM file with a loader QEMU; save its devices."""
     machine = source.machine
     loader = Machine.launch(machine.spec, machine.directory, f"{machine.name}-loader{next(_counter)}",
                             kernel=source.image.stub_kernel, initrd=source.image.stub_initrd,
                             ram_path=memory_file, share=True, owns_ram=False, incoming=True)
     try:
         loader.load_device_state(stream, timeout=MIGRATION_TIMEOUT_S)
+        loader.save_device_state(state_file)
     finally:
         loader.kill()
 

@@ -21,13 +21,22 @@ from .errors import (
     VMStartError,
 )
 
+from .checkpoint import Checkpoint
+from .exec_result import ExecResult
+from .factory import VMFactory, boot
+from .snapshot import Snapshot
+from .vm import VM
+
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "VM",
     "AgentError",
     "BackendError",
+    "Checkpoint",
     "ConfigError",
     "ExecError",
+    "ExecResult",
     "ExecTimeout",
     "ForkdError",
     "GuestCrashed",
@@ -35,9 +44,12 @@ __all__ = [
     "ImageError",
     "IncompatibleSnapshot",
     "InvalidTagError",
+    "Snapshot",
     "SnapshotError",
     "UnknownImage",
     "UnknownSnapshot",
     "VMError",
+    "VMFactory",
     "VMStartError",
+    "boot",
 ]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pluggy
 
@@ -74,6 +74,8 @@ class CaptureSource:
     base: "Snapshot | None"
     store: "SnapshotStore"
     image: "Image"
+    ping: Callable[[], object]
+    """A round trip to the guest agent: how a live backend measures the pause the guest saw."""
 
 
 @dataclass
@@ -89,9 +91,10 @@ class Capture:
     status: str = "ready"
     extra: dict[str, Any] = field(default_factory=dict)
     finish: Any = None
-    """For a background capture: ``finish(snapshot, store) -> (memory_tmp_path, fields)``,
-    run on a worker thread after publication to materialise the memory; the
-    file is then moved into the snapshot by ``store.complete(..., **fields)``."""
+    """For a background capture: ``finish(snapshot, store) -> (memory_tmp, state_tmp | None, fields)``,
+    run on a worker thread after publication to materialise the memory (and the
+    device state, when the capture did not save it); the files are then moved
+    into the snapshot by ``store.complete``."""
 
 
 class StorageBackend:

@@ -53,7 +53,7 @@ def branch(vm: "VM", tag: str | None = None, *, backend: str | None = None,
     started = time.perf_counter()
     with store.begin(tag) as pending:
         try:
-            capture = chosen.capture(CaptureSource(vm.machine, vm.memory_base, store, vm.image), pending.dir)
+            capture = chosen.capture(CaptureSource(vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30)), pending.dir)
         except BaseException:
             vm.recover_after_failed_pause()
             raise
@@ -76,9 +76,9 @@ def branch(vm: "VM", tag: str | None = None, *, backend: str | None = None,
 def _finish_in_background(store: SnapshotStore, snapshot: Snapshot, finish, started: float) -> None:
     def run() -> None:
         try:
-            memory_tmp, fields = finish(snapshot, store)
+            memory_tmp, state_tmp, fields = finish(snapshot, store)
             fields["total_ms"] = round((time.perf_counter() - started) * 1000, 3)
-            store.complete(snapshot.tag, memory_tmp, MEMORY_FILE, **fields)
+            store.complete(snapshot.tag, memory_tmp, MEMORY_FILE, state_file_tmp_path=state_tmp, **fields)
         except BaseException as exc:  # noqa: BLE001 - recorded in the snapshot for its waiters
             store.fail(snapshot.tag, f"{type(exc).__name__}: {exc}")
 

@@ -80,7 +80,7 @@ class Violation:
         budget = self.budget
         backend = f" [{budget.backend}]" if budget.backend else ""
         return (
-            f"{self.scope}: {budget.op}{backend} {budget.stat} = {self.measured_ms:.1f} ms "
+            f"{self.scope}: {budget.op}{backend} {budget.stat} = {self.measured_ms:.2f} ms "
             f"exceeds budget {_format_ms(budget.limit_ms)} ms "
             f"(n={self.n}; budget from {budget.source})"
         )
@@ -192,7 +192,8 @@ def budget_from_cli(text: str, *, option: str = "--forkd-budget") -> Budget:
 def budgets_from_marker(test: str, args: Sequence[object], kwargs: Mapping[str, object]) -> list[Budget]:
     """Per-test budgets of a ``forkd_budget(OP_ms=...)`` marker on test ``test``.
 
-    Each value bounds the test's ``max`` of that operation: every sample must fit.
+    Each value bounds the test's ``max`` of that operation: every sample must
+    fit. A value of None sets no limit, as in the marker's registered signature.
     """
     where = f"forkd_budget marker on {test}"
     if args:
@@ -205,6 +206,8 @@ def budgets_from_marker(test: str, args: Sequence[object], kwargs: Mapping[str, 
         if op not in KNOWN_OPS:
             valid = ", ".join(f"{known}_ms" for known in KNOWN_OPS)
             raise ConfigError(f"{where}: unknown argument {key!r}; valid arguments: {valid}")
+        if value is None:
+            continue
         limit = _positive_number(value, f"{where}: {key}")
         budgets.append(Budget(op, "max", limit, test=test, source=f"marker on {test}"))
     return budgets

@@ -139,9 +139,10 @@ class PendingSnapshot:
 
     def _check_files(self, snapshot: Snapshot) -> None:
         """Refuse a record whose files are not in the temporary directory, or whose base is unusable."""
-        expected = {"state_file": snapshot.state_file}
-        if snapshot.status != "writing":
-            expected.update(memory_file=snapshot.memory_file, diff_file=snapshot.diff_file)
+        expected: dict[str, str | None] = {}
+        if snapshot.status != "writing":  # a background writer may still produce the state too
+            expected.update(state_file=snapshot.state_file, memory_file=snapshot.memory_file,
+                            diff_file=snapshot.diff_file)
         for field, name in expected.items():
             if name is not None and not (self.dir / name).is_file():
                 raise SnapshotError(
@@ -207,13 +208,15 @@ class SnapshotStore:
         validate_tag(tag)
         return self._make_temp_dir(tag)
 
-    def complete(self, tag: str, memory_file_tmp_path: Path | str, final_name: str, **fields: Any) -> Snapshot:
+    def complete(self, tag: str, memory_file_tmp_path: Path | str, final_name: str, *,
+                 state_file_tmp_path: Path | str | None = None, **fields: Any) -> Snapshot:
         """Finish a ``writing`` snapshot: move its memory file in and mark it ready.
 
         ``memory_file_tmp_path`` must be on the store's filesystem (see
         :meth:`scratch_dir`); it is renamed to ``final_name`` inside the snapshot
         directory, then ``snapshot.json`` is rewritten with status ``ready`` and
-        ``fields`` (timings, sizes, extra).
+        ``fields`` (timings, sizes, extra). A writer that produces the device
+        state in the background too passes it as ``state_file_tmp_path``.
         """
         _refuse_fields("complete", fields, _COMPLETION_FIELDS)
         snapshot = self.get(tag)
@@ -227,7 +230,11 @@ class SnapshotStore:
                 f"snapshot {tag!r} was published with memory_file {snapshot.memory_file!r}; "
                 f"complete it with that name, not {final_name!r}"
             )
+        if state_file_tmp_path is not None:
+            self._adopt_file(snapshot, Path(state_file_tmp_path), snapshot.state_file)
         self._adopt_file(snapshot, Path(memory_file_tmp_path), final_name)
+        if not snapshot.state_path.is_file():
+            raise SnapshotError(f"cannot complete snapshot {tag!r}: its device state {snapshot.state_path} is missing")
         ready = snapshot.replace(**fields, memory_file=final_name, status="ready", error=None, writer_pid=None)
         ready.save_to(snapshot.path)
         return ready

@@ -25,13 +25,14 @@ from typing import Final
 
 from .errors import ConfigError
 
-OP_FORK: Final = "fork"
-OP_BRANCH_PAUSE: Final = "branch_pause"
-OP_BRANCH_TOTAL: Final = "branch_total"
+OP_FORK: Final = "fork"  # a child VM from a snapshot, until it answers
+OP_BRANCH_PAUSE: Final = "branch_pause"  # how long a branch kept the running VM paused
+OP_BRANCH_TOTAL: Final = "branch_total"  # a branch from start until the snapshot is usable
+OP_FREEZE: Final = "freeze"  # a root VM stopped so that its RAM file becomes a base
 OP_RESTORE: Final = "restore"
 OP_CHECKPOINT: Final = "checkpoint"
-OP_EXEC: Final = "exec"
-OP_BOOT: Final = "boot"
+OP_EXEC: Final = "exec"  # one guest command, round trip
+OP_BOOT: Final = "boot"  # cold boot to the first agent reply
 
 #: The operations the VM layer times, in the order reports list them. The set
 #: is open: a third-party backend may record its own operations.
@@ -39,6 +40,7 @@ KNOWN_OPS: Final = (
     OP_FORK,
     OP_BRANCH_PAUSE,
     OP_BRANCH_TOTAL,
+    OP_FREEZE,
     OP_RESTORE,
     OP_CHECKPOINT,
     OP_EXEC,
@@ -278,18 +280,13 @@ class Recorder:
         raw_samples = data.get("samples")
         if not isinstance(raw_samples, list):
             raise ConfigError(f"timing samples: 'samples' must be a list, got {raw_samples!r}")
-        return cls(samples_from_dicts(raw_samples, where="timing samples"))
-
-
-def samples_from_dicts(items: Iterable[object], *, where: str) -> list[Sample]:
-    """Parse a list of :meth:`Sample.to_dict` outputs; errors say which entry is bad."""
-    parsed = []
-    for index, item in enumerate(items):
-        try:
-            parsed.append(Sample.from_dict(item))
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: samples[{index}]: {exc}") from None
-    return parsed
+        parsed = []
+        for index, item in enumerate(raw_samples):
+            try:
+                parsed.append(Sample.from_dict(item))
+            except ConfigError as exc:
+                raise ConfigError(f"timing samples: samples[{index}]: {exc}") from None
+        return cls(parsed)
 
 
 _active_recorder = Recorder()

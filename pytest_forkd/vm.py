@@ -44,6 +44,8 @@ class VM:
         self.memory_base = memory_base
         """The snapshot whose flat memory file this VM maps copy-on-write (diffs are taken against it)."""
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
+        self.generation = 0
+        """Bumped by every operation that may change guest state (exec, write_file, restore)."""
         self._cold = True
         self._closed = False
         self._lock = threading.RLock()
@@ -85,6 +87,7 @@ class VM:
         :class:`ExecError` for a non-zero exit when ``check`` is true.
         """
         started = time.perf_counter()
+        self.generation += 1
         entry: dict[str, Any] = {"command": command if isinstance(command, str) else list(command)}
         self.history.append(entry)
         try:
@@ -104,6 +107,7 @@ class VM:
 
     def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> None:
         """Write ``data`` to ``path`` in the guest (atomically, binary-safe)."""
+        self.generation += 1
         self._call(f"writing {path}", self._agent.write_file, path, data, mode=mode)
 
     def read_file(self, path: str) -> bytes:
@@ -191,6 +195,7 @@ class VM:
             self._machine, self._agent = other._machine, other._agent
             self.origin, self.memory_base = origin, memory_base
             self._cold = True
+            self.generation += 1
             other._closed = True
         self._factory._forget(other)
         old_agent.close()

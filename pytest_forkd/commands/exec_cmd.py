@@ -9,6 +9,7 @@ import time
 
 from ..engine.accel import ACCELS
 from ..factory import VMFactory
+from ..store import SnapshotStore
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -45,9 +46,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         started = time.perf_counter()
         if args.snapshot:
-            from ..session_store import open_snapshot
-
-            vm = open_snapshot(factory, args.snapshot, store=args.store).fork(1)[0]
+            store = SnapshotStore(args.store) if args.store else SnapshotStore.persistent()
+            vm = factory.fork_snapshot(store.get(args.snapshot), 1)[0]
         else:
             vm = factory.boot(args.image, memory_mib=args.memory, vcpus=args.vcpus)
         ready_ms = (time.perf_counter() - started) * 1000

@@ -21,6 +21,7 @@ Imports are limited to what the protocol needs: under TCG every module costs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -37,6 +38,7 @@ else:  # run as a script next to wire.py, as in the guest
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
 # How long the agent keeps collecting output after a command's first process
 # exited while background processes still hold its stdout or stderr open.
@@ -201,7 +203,16 @@ class Agent:
     # -- request handling (one thread per request) ---------------------------
 
     def _handle(self, fields: dict, sink: _MemorySink | _UploadSink) -> None:
-        request_id = fields["id"]
+        try:
+            error = self._perform(fields, sink)
+        finally:
+            # Before any error reply: the host must never see a stale upload file.
+            sink.discard()
+        if error is not None:
+            self._send_error(fields["id"], error)
+
+    def _perform(self, fields: dict, sink: _MemorySink | _UploadSink) -> dict | None:
+        """Run the operation, which sends its own reply; return the error to send instead, if any."""
         operation = self._operations.get(fields["op"])
         try:
             if operation is None:
@@ -212,17 +223,18 @@ class Agent:
                 )
             operation(fields, sink)
         except RequestError as exc:
-            self._send_error(request_id, {"type": exc.error_type, "message": str(exc)})
+            return {"type": exc.error_type, "message": str(exc)}
         except OSError as exc:
-            self._send_error(request_id, _os_error_fields(exc))
+            return _os_error_fields(exc)
         except Exception as exc:
             import traceback  # only needed when the agent itself is broken; imports cost in the guest
 
-            self._log(f"request {request_id} ({fields['op']!r}) failed:\n{traceback.format_exc()}")
-            message = f"the agent failed on {fields['op']!r}: {exc!r}; the guest console shows the traceback"
-            self._send_error(request_id, {"type": "InternalError", "message": message})
-        finally:
-            sink.discard()
+            self._log(f"request {fields['id']} ({fields['op']!r}) failed:\n{traceback.format_exc()}")
+            return {
+                "type": "InternalError",
+                "message": f"the agent failed on {fields['op']!r}: {exc!r}; the guest console shows the traceback",
+            }
+        return None
 
     def _ping(self, fields: dict, sink: _MemorySink) -> None:
         self._send(
@@ -247,16 +259,15 @@ class Agent:
         if timeout is not None and timeout <= 0:
             raise RequestError("BadRequest", f"'timeout' must be a positive number of seconds or null, got {timeout}")
         run = _run_command(argv, env=env, cwd=cwd, stdin=sink.contents(), timeout=timeout)
-        stdout = b"".join(run.stdout)
         self._send(
             {
                 "id": fields["id"],
                 "exit_code": run.exit_code,
-                "stdout_len": len(stdout),
+                "stdout_len": sum(map(len, run.stdout)),
                 "duration_ms": run.duration_ms,
                 "timed_out": run.timed_out,
             },
-            b"".join([stdout, *run.stderr]),
+            b"".join(run.stdout + run.stderr),  # one copy: guest memory is small
         )
 
     def _read_file(self, fields: dict, sink: _MemorySink) -> None:
@@ -265,20 +276,19 @@ class Agent:
         request_id = fields["id"]
         with open(path, "rb") as source:
             chunk = source.read(wire.CHUNK_SIZE)
-            reply: dict = {"id": request_id}
             while True:
                 try:
                     following = source.read(wire.CHUNK_SIZE)
-                except OSError as exc:
+                except OSError as exc:  # part of the file is sent: an error frame ends the reply
                     self._send_error(request_id, _os_error_fields(exc, path))
                     return
-                self._send_frame(dict(reply, more=bool(following)), chunk)
+                self._send_frame({"id": request_id, "more": bool(following)}, chunk)
                 if not following:
                     return
-                reply, chunk = {"id": request_id}, following
+                chunk = following
 
     def _write_file(self, fields: dict, sink: _UploadSink) -> None:
-        path = _required(fields, "path", str)
+        _required(fields, "path", str)  # the sink opened its temporary file beside it at the first frame
         mode = _optional(fields, "mode", int)
         if mode is not None and not 0 <= mode <= 0o7777:
             raise RequestError("BadRequest", f"'mode' must be permission bits between 0 and 0o7777, got {mode:#o}")
@@ -370,10 +380,9 @@ class _UploadSink:
         if self._error is not None:
             raise _with_path(self._error, self._path)
         if mode is None:
-            try:
-                mode = os.stat(self._path).st_mode & 0o7777  # replacing a file keeps its mode
-            except OSError:
-                mode = None
+            # Replacing a file keeps its mode; a new one gets 0o666 less the umask, as open() gives.
+            with contextlib.suppress(OSError):
+                mode = os.stat(self._path).st_mode & 0o7777
         try:
             if mode is not None:
                 os.fchmod(self._fd, mode)
@@ -390,17 +399,15 @@ class _UploadSink:
             self._fd = None
         if self._temporary_exists:
             self._temporary_exists = False
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self._temporary)
-            except OSError:
-                pass
 
 
 # -- running commands ------------------------------------------------------------
 
 
 class _CommandRun:
-    __slots__ = ("exit_code", "stdout", "stderr", "duration_ms", "timed_out")
+    __slots__ = ("duration_ms", "exit_code", "stderr", "stdout", "timed_out")
 
     def __init__(self, exit_code: int, stdout: list, stderr: list, duration_ms: float, timed_out: bool) -> None:
         self.exit_code = exit_code
@@ -451,7 +458,7 @@ class _CommandCollector:
         self._timed_out = False
         self._exited_at: float | None = None
         self._poller = select.poll()
-        self._output = {process.stdout.fileno(): [], process.stderr.fileno(): []}
+        self._output: dict[int, list[bytes]] = {process.stdout.fileno(): [], process.stderr.fileno(): []}
         self._open_outputs = set(self._output)
         for fd in self._output:
             self._poller.register(fd, select.POLLIN)
@@ -572,14 +579,14 @@ def _command_argv(fields: dict) -> list[str]:
     return argv
 
 
-def _required(fields: dict, name: str, kind: type | tuple) -> object:
+def _required(fields: dict, name: str, kind: type | tuple) -> Any:
     value = fields.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
         raise RequestError("BadRequest", f"{fields['op']!r} needs {name!r} of type {_kind_name(kind)}")
     return value
 
 
-def _optional(fields: dict, name: str, kind: type | tuple) -> object:
+def _optional(fields: dict, name: str, kind: type | tuple) -> Any:
     if fields.get(name) is None:
         return None
     return _required(fields, name, kind)
@@ -622,7 +629,11 @@ def main(argv: list[str] | None = None) -> int:
         # Outside a guest: never move the machine's clock, even as root.
         agent = Agent(sys.stdin.fileno(), sys.stdout.fileno(), set_clock=_leave_clock_alone)
     else:
-        port = os.open(args[0], os.O_RDWR | os.O_CLOEXEC)
+        try:
+            port = os.open(args[0], os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            log_to_stderr(f"cannot open the agent port: {exc}")
+            return 1
         agent = Agent(port, port, wait_on_eof=True)
     log_to_stderr(f"serving on {args[0]} (pid {os.getpid()})")
     try:

@@ -13,6 +13,7 @@ possibly in another process, and that reply must not match a new request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -35,6 +36,8 @@ FILE_TIMEOUT = 120.0
 EXEC_REPLY_GRACE = 15.0
 # A guest that accepts no data for this long while we send a frame is hung.
 SEND_STALL_TIMEOUT = 60.0
+# How far the guest's wall clock may be off before ping() sets it again.
+CLOCK_TOLERANCE = 0.5
 
 
 class ChannelClosed(VMError):
@@ -64,7 +67,7 @@ class GuestOSError(AgentError):
 class _PendingReply:
     """The reply to one request, assembled by the reader thread."""
 
-    __slots__ = ("done", "complete", "fields", "chunks", "error")
+    __slots__ = ("chunks", "complete", "done", "error", "fields")
 
     def __init__(self) -> None:
         self.done = threading.Event()
@@ -100,9 +103,18 @@ class AgentClient:
     # -- public API -------------------------------------------------------------
 
     def ping(self, timeout: float = PING_TIMEOUT) -> dict:
-        """Return the agent's ``pid``, ``monotonic``, ``wall_time`` and ``protocol``."""
-        fields, _ = self._request({"op": "ping"}, wait=timeout)
-        return {name: value for name, value in fields.items() if name not in ("id", "more")}
+        """Return the agent's ``pid``, ``monotonic``, ``wall_time`` and ``protocol``.
+
+        If the guest's wall clock turns out to be off, start a new epoch and
+        ping again, which sets it. That happens to a booting VM: its first
+        request waits in the channel until the agent starts, so the host time
+        it carries is stale when the agent applies it.
+        """
+        reply, clock_error = self._ping_once(timeout)
+        if abs(clock_error) > CLOCK_TOLERANCE:
+            self.new_epoch()
+            reply, _ = self._ping_once(timeout)
+        return reply
 
     def exec(
         self,
@@ -185,10 +197,8 @@ class AgentClient:
     def close(self) -> None:
         """Close the channel; requests still waiting raise ChannelClosed."""
         self._fail("the agent client was closed")
-        try:
+        with contextlib.suppress(OSError):  # already disconnected
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already disconnected
         self._reader.join()
         self._sock.close()
 
@@ -199,6 +209,15 @@ class AgentClient:
         self.close()
 
     # -- requests ----------------------------------------------------------------
+
+    def _ping_once(self, timeout: float) -> tuple[dict, float]:
+        """Ping; also return how far the guest's clock lies outside the round trip, in seconds."""
+        sent = time.time()
+        fields, _ = self._request({"op": "ping"}, wait=timeout)
+        received = time.time()
+        guest_time = float(fields.get("wall_time", sent))
+        clock_error = min(0.0, guest_time - sent) + max(0.0, guest_time - received)
+        return {name: value for name, value in fields.items() if name not in ("id", "more")}, clock_error
 
     def _request(self, request: dict, payload: bytes = b"", *, wait: float | None) -> tuple[dict, bytes]:
         """Send one request and wait at most ``wait`` seconds (None: forever) for its reply."""
@@ -223,7 +242,7 @@ class AgentClient:
                 del self._pending[request_id]
         if pending.error is not None:
             raise _guest_error(request["op"], pending.error)
-        if not pending.complete:
+        if not pending.complete or pending.fields is None:
             raise ChannelClosed(self._closed_reason)
         return pending.fields, b"".join(pending.chunks)
 
@@ -235,8 +254,9 @@ class AgentClient:
                     raise ChannelClosed(self._closed_reason)
                 try:
                     self._sock.sendall(header)
-                    self._sock.sendall(chunk)
-                except socket.timeout:
+                    if chunk:  # an empty send after a complete frame could fail for a peer that already left
+                        self._sock.sendall(chunk)
+                except TimeoutError:
                     # Part of a frame may be sent: the stream cannot be trusted any more.
                     reason = f"the guest agent accepted no data for {SEND_STALL_TIMEOUT:g} s"
                     self._fail(reason)
@@ -252,7 +272,7 @@ class AgentClient:
         while True:
             try:
                 return self._sock.recv(size)
-            except socket.timeout:
+            except TimeoutError:
                 continue  # the timeout exists for sends; reads wait for the agent
 
     def _read_replies(self) -> None:

@@ -8,12 +8,14 @@
 
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
-# With `-serial none` the kernel finds no console and starts init with fds
-# 0-2 closed; anything opened first would land on them, so fix them before
-# anything else. devtmpfs provides /dev/console and /dev/null.
+# Fix fds 0-2 before anything else: without a usable console the kernel
+# starts init with them closed, and with `-serial none` ttyS0 still exists
+# but every write to it fails with EIO, which kills programs that log (the
+# agent). So probe the console with a real write; nobody types on it, so
+# stdin is always /dev/null. devtmpfs provides /dev/console and /dev/null.
 mount -t devtmpfs devtmpfs /dev 2>/dev/null
-if (: </dev/console >/dev/console) 2>/dev/null; then
-    exec </dev/console >/dev/console 2>&1
+if (echo "forkd-init: started" >/dev/console) 2>/dev/null; then
+    exec </dev/null >/dev/console 2>&1
 else
     exec </dev/null >/dev/null 2>&1
 fi
@@ -41,6 +43,8 @@ while read -r module; do
 done </etc/forkd/modules
 
 # The host names its virtio-serial port "agent"; its device node is /dev/<port dir>.
+# It appears shortly after virtio_console loads: wait for it, boundedly (500
+# polls, 5-10 s under emulation), then give up loudly.
 find_agent_port() {
     for name_file in /sys/class/virtio-ports/*/name; do
         [ -r "$name_file" ] || continue
@@ -58,7 +62,7 @@ attempts=0
 until find_agent_port; do
     attempts=$((attempts + 1))
     if [ "$attempts" -ge 500 ]; then
-        log "no virtio-serial port named 'agent' after 5 s; start QEMU with" \
+        log "no virtio-serial port named 'agent' appeared; start QEMU with" \
             "-device virtio-serial-device -device virtserialport,chardev=...,name=agent"
         log "virtio ports present: $(ls /sys/class/virtio-ports 2>/dev/null)"
         exit 1  # PID 1 exiting panics the kernel; with panic=-1 and -no-reboot QEMU exits

@@ -163,7 +163,8 @@ class FrameReader:
         skipped = 0
         while True:
             if not self._fill(HEADER.size):
-                return self._end_of_stream(skipped)
+                self._drop_partial_frame(skipped)
+                return None
             magic, json_length, payload_length = HEADER.unpack_from(self._buffer)
             if magic == MAGIC and 0 < json_length <= MAX_JSON_SIZE and payload_length <= MAX_PAYLOAD_SIZE:
                 break
@@ -176,7 +177,8 @@ class FrameReader:
             raise MalformedFrame(f"skipped {skipped} bytes that were not a frame")
         frame_length = HEADER.size + json_length + payload_length
         if not self._fill(frame_length):
-            return self._end_of_stream(0)
+            self._drop_partial_frame(0)
+            return None
         body = bytes(self._buffer[HEADER.size : HEADER.size + json_length])
         payload = bytes(self._buffer[HEADER.size + json_length : frame_length])
         del self._buffer[:frame_length]
@@ -196,9 +198,9 @@ class FrameReader:
             self._buffer += data
         return True
 
-    def _end_of_stream(self, skipped: int) -> None:
+    def _drop_partial_frame(self, skipped: int) -> None:
+        """At the end of the stream, forget what cannot become a frame any more, and say so."""
         leftover = len(self._buffer) + skipped
         self._buffer.clear()
         if leftover:
             raise MalformedFrame(f"the stream ended inside a frame; dropped {leftover} bytes")
-        return None

@@ -56,16 +56,18 @@ class DebPackage:
         return f"{self.name}_{self.version.replace(':', '%3a')}_{self.architecture}.deb"
 
 
+def _missing_tool(name: str) -> ImageError:
+    return ImageError(
+        f"{name} not found: guest images are built from the host's Debian packages, "
+        "so the builder needs a Debian-based host with apt and dpkg"
+    )
+
+
 def _run(argv: Sequence[str], *, cwd: Path | None = None, what: str) -> str:
     try:
-        completed = subprocess.run(
-            list(argv), cwd=cwd, capture_output=True, text=True, check=False
-        )
+        completed = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, check=False)
     except FileNotFoundError:
-        raise ImageError(
-            f"{argv[0]} not found: guest images are built from the host's Debian packages, "
-            "so the builder needs a Debian-based host with apt and dpkg"
-        ) from None
+        raise _missing_tool(argv[0]) from None
     if completed.returncode != 0:
         detail = (completed.stderr or completed.stdout).strip()
         raise ImageError(f"{what} failed ({' '.join(argv[:3])} ... exit {completed.returncode}): {detail}")
@@ -80,23 +82,28 @@ def _strip_qualifier(name: str) -> str:
 def candidates(names: Iterable[str]) -> dict[str, DebPackage]:
     """The candidate version of each package; ImageError naming those apt does not know."""
     wanted = list(dict.fromkeys(names))
-    completed = subprocess.run(
-        ["apt-cache", "show", "--no-all-versions", *wanted],
-        capture_output=True, text=True, check=False,
-    ) if wanted else None
+    if not wanted:
+        return {}
+    try:
+        # Not _run: apt-cache exits non-zero when some names are unknown, and
+        # still prints the others; the unknown ones are reported below.
+        completed = subprocess.run(
+            ["apt-cache", "show", "--no-all-versions", *wanted], capture_output=True, text=True, check=False
+        )
+    except FileNotFoundError:
+        raise _missing_tool("apt-cache") from None
     found: dict[str, DebPackage] = {}
-    if completed is not None:
-        for stanza in completed.stdout.split("\n\n"):
-            fields = dict(
-                line.split(": ", 1) for line in stanza.splitlines() if ": " in line and not line.startswith(" ")
+    for stanza in completed.stdout.split("\n\n"):
+        fields = dict(
+            line.split(": ", 1) for line in stanza.splitlines() if ": " in line and not line.startswith(" ")
+        )
+        if "Package" in fields and "Version" in fields:
+            found[fields["Package"]] = DebPackage(
+                name=fields["Package"],
+                version=fields["Version"],
+                architecture=fields.get("Architecture", "all"),
+                size=int(fields.get("Size", "0")),
             )
-            if "Package" in fields and "Version" in fields:
-                found[fields["Package"]] = DebPackage(
-                    name=fields["Package"],
-                    version=fields["Version"],
-                    architecture=fields.get("Architecture", "all"),
-                    size=int(fields.get("Size", "0")),
-                )
     unknown = [name for name in wanted if name.split(":")[0] not in found]
     if unknown:
         raise ImageError(
@@ -233,7 +240,7 @@ def data_tar(deb: Path) -> Iterator[tarfile.TarFile]:
             ["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
     except FileNotFoundError:
-        raise ImageError("dpkg-deb not found: the builder needs a Debian-based host") from None
+        raise _missing_tool("dpkg-deb") from None
     assert process.stdout is not None
     try:
         with tarfile.open(fileobj=process.stdout, mode="r|*") as archive:

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..errors import ConfigError
+from ..paths import validate_tag
 
 DEFAULT_RECIPE_PATH = Path(__file__).with_name("default.yaml")
 
@@ -162,8 +163,6 @@ def _parse(document: Any, path: Path, parent: Recipe | None) -> Recipe:
 
     name = document.get("name")
     if name is not None:
-        from ..paths import validate_tag
-
         validate_tag(fields.expect_str(name, "name"), "image name")
 
     extends = document.get("extends", "default")

@@ -2,7 +2,7 @@
 
 The tree becomes the initramfs, so it is the whole guest filesystem: it lives
 in RAM in every VM and in every memory snapshot. What the guest never reads
-(documentation, translations) is dropped, and the Python standard library is
+(documentation, translations, iconv modules) is dropped, and the Python standard library is
 byte-compiled here because Debian ships no .pyc files and compiling imports
 under TCG emulation doubles the agent's start time (DESIGN.md section 3b).
 """
@@ -91,15 +91,24 @@ def assemble_root(
     shutil.copyfile(sources["init.sh"], root / "init")
     os.chmod(root / "init", 0o755)
 
-    for spec in files:
-        target = root / spec.dest.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(spec.src, target)
-        if spec.mode is not None:
-            os.chmod(target, spec.mode)
+    install_recipe_files(root, files)
 
     progress("byte-compiling the guest's Python library")
     byte_compile(root, python)
+
+
+def install_recipe_files(root: Path, files: Iterable[FileSpec]) -> None:
+    """Copy the recipe's host files in, replacing whatever the packages put there."""
+    for spec in files:
+        target = root / spec.dest.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink():  # e.g. a busybox applet: replace the link, never write through it
+            target.unlink()
+        elif target.is_dir():
+            raise ImageError(f"the recipe copies {spec.src} to {spec.dest}, which is a directory in the image")
+        shutil.copy2(spec.src, target)
+        if spec.mode is not None:
+            os.chmod(target, spec.mode)
 
 
 def install_busybox_links(root: Path) -> None:

@@ -232,7 +232,8 @@ def test_timeout_kills_the_whole_process_group_and_keeps_partial_output(client: 
 def test_huge_output_on_both_streams_does_not_deadlock(client: AgentClient) -> None:
     size = 20_000_000
     # stderr first: an agent reading only stdout would block the command forever.
-    result = client.exec(f"head -c {size} /dev/zero | tr '\\0' e >&2; head -c {size} /dev/zero | tr '\\0' o", timeout=30)
+    both_streams = f"head -c {size} /dev/zero | tr '\\0' e >&2; head -c {size} /dev/zero | tr '\\0' o"
+    result = client.exec(both_streams, timeout=30)
 
     assert result.ok
     assert len(result.stdout_bytes) == size and len(result.stderr_bytes) == size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,8 +59,8 @@ def background() -> Iterator[ThreadPoolExecutor]:
         yield pool
 
 
-def ping_reply(request_id: int, pid: int = 42) -> dict:
-    return {"id": request_id, "pid": pid, "monotonic": 1.0, "wall_time": 2.0, "protocol": 1}
+def ping_reply(request_id: int, pid: int = 42, clock_error: float = 0.0) -> dict:
+    return {"id": request_id, "pid": pid, "monotonic": 1.0, "wall_time": time.time() + clock_error, "protocol": 1}
 
 
 def test_stale_replies_and_line_noise_are_ignored(client: AgentClient, fake: FakeAgent, background) -> None:
@@ -91,6 +92,34 @@ def test_requests_carry_the_epoch_until_a_new_one_starts(client: AgentClient, fa
     assert len(bytes.fromhex(third["seed"])) == 32
     assert second["time"] >= first["time"]
     assert second["id"] == first["id"] + 1
+
+
+def test_ping_sets_a_wrong_guest_clock_again_with_a_new_epoch(client: AgentClient, fake: FakeAgent, background) -> None:
+    answer = background.submit(client.ping)
+    stale = fake.receive().fields
+    fake.send(ping_reply(stale["id"], pid=1, clock_error=-4.0))  # the request waited while the guest booted
+
+    again = fake.receive().fields
+    assert again["op"] == "ping"
+    assert again["epoch"] != stale["epoch"] and again["time"] > stale["time"]
+    fake.send(ping_reply(again["id"], pid=2))
+
+    assert answer.result(timeout=5)["pid"] == 2
+
+
+def test_ping_with_a_correct_guest_clock_asks_once(client: AgentClient, fake: FakeAgent, background) -> None:
+    answer = background.submit(client.ping)
+    first = fake.receive().fields
+    fake.send(ping_reply(first["id"]))
+    assert answer.result(timeout=5)["pid"] == 42
+
+    answer = background.submit(client.read_file, "/next")
+    following = fake.receive().fields  # the read, not a second ping
+
+    assert following["op"] == "read_file"
+    assert following["epoch"] == first["epoch"]
+    fake.send({"id": following["id"], "more": False}, b"content")
+    assert answer.result(timeout=5) == b"content"
 
 
 def test_each_client_starts_its_ids_at_a_random_number() -> None:
@@ -129,7 +158,8 @@ def test_exec_splits_payload_records_history_and_raises_on_timeout(channel, fake
 
         answer = background.submit(client.exec, "sleep 9", timeout=1)
         request = fake.receive().fields
-        fake.send({"id": request["id"], "exit_code": -9, "stdout_len": 4, "duration_ms": 1000.0, "timed_out": True}, b"part")
+        killed = {"id": request["id"], "exit_code": -9, "stdout_len": 4, "duration_ms": 1000.0, "timed_out": True}
+        fake.send(killed, b"part")
         with pytest.raises(ExecTimeout) as caught:
             answer.result(timeout=5)
 
@@ -224,8 +254,10 @@ def test_close_wakes_waiting_requests(client: AgentClient, fake: FakeAgent, back
         answer.result(timeout=5)
 
 
-def test_unanswered_request_times_out_and_its_late_reply_is_ignored(client: AgentClient, fake: FakeAgent, background) -> None:
-    with pytest.raises(AgentTimeout, match=r"did not answer 'ping' within 0.2 s"):
+def test_unanswered_request_times_out_and_its_late_reply_is_ignored(
+    client: AgentClient, fake: FakeAgent, background
+) -> None:
+    with pytest.raises(AgentTimeout, match=r"did not answer 'ping' within 0\.2 s"):
         client.ping(timeout=0.2)
     late = fake.receive().fields
     fake.send(ping_reply(late["id"], pid=1))
@@ -239,7 +271,7 @@ def test_unanswered_request_times_out_and_its_late_reply_is_ignored(client: Agen
 def test_exec_reply_wait_is_bounded_by_timeout_plus_grace(client: AgentClient, monkeypatch) -> None:
     monkeypatch.setattr(client_module, "EXEC_REPLY_GRACE", 0.1)
 
-    with pytest.raises(AgentTimeout, match="within 0.2 s"):
+    with pytest.raises(AgentTimeout, match=r"within 0\.2 s"):
         client.exec("true", timeout=0.1)
 
 

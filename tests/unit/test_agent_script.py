@@ -65,6 +65,16 @@ def test_script_without_arguments_prints_usage(installed_agent: Path) -> None:
     assert b"usage: agent.py PORT_DEVICE | --stdio" in result.stderr
 
 
+def test_script_reports_a_port_it_cannot_open(installed_agent: Path, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-S", str(installed_agent), str(tmp_path / "no-such-port")], capture_output=True, timeout=10
+    )
+
+    assert result.returncode == 1
+    assert b"cannot open the agent port" in result.stderr
+    assert b"no-such-port" in result.stderr
+
+
 def read_within(fd: int, size: int, timeout: float = 5.0) -> bytes:
     """os.read that fails the test instead of hanging when the agent stays silent."""
     readable, _, _ = select.select([fd], [], [], timeout)
@@ -98,9 +108,7 @@ def test_agent_waiting_on_end_of_input_serves_the_next_connection(tmp_path: Path
         "port = os.open(sys.argv[1], os.O_RDONLY)\n"
         "Agent(port, 1, wait_on_eof=True, set_clock=lambda s: None, reseed=lambda s: None).serve_forever()\n"
     )
-    process = subprocess.Popen(
-        [sys.executable, "-c", serve, str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    process = subprocess.Popen([sys.executable, "-c", serve, str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         replies = wire.FrameReader(lambda size: read_within(process.stdout.fileno(), size))
         first_connection = connect(fifo)

@@ -127,7 +127,7 @@ def test_budget_from_cli_rejects_malformed_values(text, message):
 
 
 def test_budgets_from_marker_bound_the_max_of_each_operation_in_the_test():
-    budgets = budgets_from_marker("tests/t.py::test_y", (), {"fork_ms": 300, "branch_pause_ms": 25.5})
+    budgets = budgets_from_marker("tests/t.py::test_y", (), {"fork_ms": 300, "exec_ms": None, "branch_pause_ms": 25.5})
     assert budgets == [
         Budget("fork", "max", 300.0, test="tests/t.py::test_y", source="marker on tests/t.py::test_y"),
         Budget("branch_pause", "max", 25.5, test="tests/t.py::test_y", source="marker on tests/t.py::test_y"),
@@ -175,7 +175,7 @@ def test_check_suite_budget_uses_the_statistic_over_all_samples():
     assert violation.measured_ms == pytest.approx(95.05)
     assert violation.n == 100
     assert str(violation) == (
-        "whole run: fork p95 = 95.0 ms exceeds budget 95 ms (n=100; budget from forkd.yaml budgets.fork.p95_ms)"
+        "whole run: fork p95 = 95.05 ms exceeds budget 95 ms (n=100; budget from forkd.yaml budgets.fork.p95_ms)"
     )
 
 
@@ -185,7 +185,7 @@ def test_check_backend_budget_only_sees_that_backend():
     assert check(budgets, samples) == []
     samples += _samples("branch_pause", [41], backend="diff")
     (violation,) = check(budgets, samples)
-    assert "branch_pause [diff] max = 41.0 ms" in str(violation)
+    assert "branch_pause [diff] max = 41.00 ms" in str(violation)
 
 
 def test_check_per_test_budget_only_sees_that_test():
@@ -194,7 +194,7 @@ def test_check_per_test_budget_only_sees_that_test():
     (violation,) = check(marker, samples)
     assert violation.scope == "t::fast"
     assert violation.measured_ms == 120.0
-    assert str(violation) == "t::fast: fork max = 120.0 ms exceeds budget 100 ms (n=2; budget from marker on t::fast)"
+    assert str(violation) == "t::fast: fork max = 120.00 ms exceeds budget 100 ms (n=2; budget from marker on t::fast)"
 
 
 def test_check_ignores_budgets_without_samples():

@@ -179,6 +179,7 @@ def test_known_ops_contain_every_operation_constant():
         timings.OP_FORK,
         timings.OP_BRANCH_PAUSE,
         timings.OP_BRANCH_TOTAL,
+        timings.OP_FREEZE,
         timings.OP_RESTORE,
         timings.OP_CHECKPOINT,
         timings.OP_EXEC,

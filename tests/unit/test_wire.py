@@ -98,7 +98,12 @@ def test_reader_rejects_header_with_absurd_lengths() -> None:
 
 @pytest.mark.parametrize(
     ("body", "reason"),
-    [(b"{not json", "unreadable"), (b"[1, 2]", "integer id"), (b'{"id": "7"}', "integer id"), (b'{"id": true}', "integer id")],
+    [
+        (b"{not json", "unreadable"),
+        (b"[1, 2]", "integer id"),
+        (b'{"id": "7"}', "integer id"),
+        (b'{"id": true}', "integer id"),
+    ],
 )
 def test_reader_drops_frames_with_bad_json_and_continues(body: bytes, reason: str) -> None:
     bad = wire.HEADER.pack(wire.MAGIC, len(body), 3) + body + b"pay"

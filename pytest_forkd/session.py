@@ -1,0 +1,165 @@
+"""The forkd session: what the ``forkd`` fixture is, one per pytest process.
+
+It owns the VM factory (every QEMU process of the run), hands out named
+snapshots (built once, see :mod:`pytest_forkd.snapshot_builder`), keeps the
+warm *parent* VM and knows the snapshot that stands for the parent's current
+state, which is what every test's child is forked from.
+
+Everything is lazy: nothing boots and no accelerator is probed until a test
+asks for a VM, and a suite that never touches ``forkd_parent`` never starts a
+parent at all (its children come straight from the selected snapshot).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .errors import VMError
+from .project import Project
+from .settings import Settings, VMChoice
+from .snapshot import Snapshot
+from .store import SnapshotStore
+from .timings import Recorder
+
+if TYPE_CHECKING:
+    from .factory import VMFactory
+    from .snapshot_builder import SnapshotBuilder
+    from .vm import VM
+
+
+class ForkdSession:
+    """The per-process forkd state behind the ``forkd`` fixture.
+
+    ``snapshot`` is the parent's current state as a snapshot: the selected
+    snapshot while the parent is untouched, else a branch of the parent taken
+    the first time a child is needed after it changed (``VM.generation``).
+    """
+
+    def __init__(self, settings: Settings, project: Project, *, recorder: Recorder,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self.project = project
+        self.timings = recorder
+        self.progress = progress or (lambda line: None)
+        self.store = SnapshotStore(settings.store) if settings.store else SnapshotStore.persistent()
+        self._factory: VMFactory | None = None
+        self._builder: SnapshotBuilder | None = None
+        self._parent: VM | None = None
+        self._current: Snapshot | None = None
+        self._current_generation: int | None = None
+        """The parent's generation when ``_current`` was taken (None: no parent yet)."""
+        self._lock = threading.RLock()
+        self.build_seconds = 0.0
+        """Time spent building or looking up named snapshots; not part of any test's fixture overhead."""
+
+    # -- lazily created machinery ------------------------------------------------
+    @property
+    def factory(self) -> VMFactory:
+        """The factory that starts and owns every VM of this session (created on first use)."""
+        with self._lock:
+            if self._factory is None:
+                from .factory import VMFactory
+
+                self._factory = VMFactory(accel=self.settings.accel, progress=self.progress,
+                                          default_backend=self.settings.backend)
+                self.store.clean_stale_temp()
+            return self._factory
+
+    @property
+    def builder(self) -> SnapshotBuilder:
+        with self._lock:
+            if self._builder is None:
+                from .snapshot_builder import SnapshotBuilder
+
+                self._builder = SnapshotBuilder(self.factory, self.store, self.project, progress=self.progress)
+            return self._builder
+
+    @property
+    def started(self) -> bool:
+        """Whether any VM machinery exists yet (False for runs that used no forkd fixture)."""
+        return self._factory is not None
+
+    # -- snapshots ----------------------------------------------------------------
+    def snapshot_for(self, name: str, *, memory_mib: int | None = None) -> Snapshot:
+        """Named snapshot ``name`` (``base`` or declared in forkd.yaml), built on first use.
+
+        Its work is not attributed to the running test: building is a
+        session cost, reported once in the terminal summary.
+        """
+        started = time.perf_counter()
+        try:
+            with self.timings.running_test(None):
+                return self.builder.get(name, memory_mib=memory_mib)
+        finally:
+            self.build_seconds += time.perf_counter() - started
+
+    @property
+    def selected(self) -> Snapshot:
+        """The snapshot chosen for this run (``--forkd-snapshot``)."""
+        return self.snapshot_for(self.settings.snapshot)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The parent's current state; branches the parent first if it changed since the last branch."""
+        with self._lock:
+            parent = self._parent
+            if parent is not None and not parent.closed and parent.generation != self._current_generation:
+                self._current_generation = parent.generation
+                self._use(parent.branch(backend=self.settings.backend))
+            elif self._current is None:
+                self._use(self.selected)
+            assert self._current is not None
+            return self._current
+
+    def _use(self, snapshot: Snapshot) -> None:
+        """Make ``snapshot`` the one children come from, and move the pool of ready children to it."""
+        previous, self._current = self._current, snapshot
+        if previous is not None and previous.path != snapshot.path:
+            self.factory.drop_pool(previous)
+        if self.settings.pool > 0:
+            self.factory.pool(snapshot, self.settings.pool)
+
+    # -- VMs ----------------------------------------------------------------------
+    @property
+    def parent(self) -> VM:
+        """The session's warm parent VM, started from the selected snapshot on first use.
+
+        Prepare it further with ``exec``/``write_file``: the next child is
+        forked from its state then.
+        """
+        with self._lock:
+            if self._parent is None:
+                with self.timings.running_test(None):
+                    selected = self.selected
+                    self._parent = self.factory.fork_snapshot(selected, 1)[0]
+                self._current_generation = self._parent.generation
+                self._use(selected)
+            elif self._parent.closed:
+                raise VMError(
+                    f"the parent VM {self._parent.name} is gone (its guest crashed or it was closed), and with "
+                    "it the state prepared in it; do not close forkd_parent, and check its console in the report"
+                )
+            return self._parent
+
+    def fork(self, n: int = 1) -> list[VM]:
+        """``n`` copy-on-write children of the parent's current state; close them when done."""
+        return self.factory.fork_snapshot(self.snapshot, n)
+
+    def child(self, choice: VMChoice) -> VM:
+        """A fresh child for one test: of the parent's state, or of the snapshot its marker names."""
+        if choice.snapshot == self.settings.snapshot and choice.memory_mib in (None, self.selected.memory_mib):
+            origin = self.snapshot
+        else:
+            origin = self.snapshot_for(choice.snapshot, memory_mib=choice.memory_mib)
+        return self.factory.fork_snapshot(origin, 1)[0]
+
+    def close(self) -> None:
+        """Kill every VM of the session and remove its run directory."""
+        with self._lock:
+            factory, self._factory = self._factory, None
+            self._parent = self._current = None
+        if factory is not None:
+            factory.close()
