@@ -143,7 +143,7 @@ def _materialise(source: CaptureSource, stream: Path, memory_file: Path, state_f
     machine = source.machine
     loader = Machine.launch(machine.spec, machine.directory, f"{machine.name}-loader{next(_counter)}",
                             kernel=source.image.stub_kernel, initrd=source.image.stub_initrd,
-                            ram_path=memory_file, share=True, owns_ram=False, incoming=True)
+                            ram_path=memory_file, share=True, owns_ram=False, incoming=True, paused=True)
     try:
         loader.load_device_state(stream, timeout=MIGRATION_TIMEOUT_S)
         loader.save_device_state(state_file)

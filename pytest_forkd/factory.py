@@ -21,6 +21,7 @@ from . import timings
 from .engine.accel import PROBE_TIMEOUT_S, AccelVerdict, resolve_accel, validate_accel
 from .engine.host import Qemu, find_qemu
 from .engine.qemu import Machine, MachineSpec
+from .engine.qmp import QMPError
 from .engine.rundir import RunDir
 from .errors import VMStartError
 from .guest.client import AgentClient, AgentTimeout, ChannelClosed
@@ -161,6 +162,11 @@ class VMFactory:
             backend.prepare_child(snapshot, machine, store)
             machine.load_device_state(snapshot.state_path)
             machine.resume()
+        except QMPError as exc:
+            error = VMStartError(f"restoring a child of snapshot {snapshot.tag!r} failed: {exc}; "
+                                 f"QEMU said: {machine.stderr_tail() or 'nothing'}")
+            machine.kill()
+            raise error from exc
         except BaseException:
             machine.kill()
             raise

@@ -120,17 +120,17 @@ class _RunState:
         session, self.session = self.session, None
         if session is None:
             return
-        if session._builder is not None:
-            self.build_events += [
-                {"snapshot": event.snapshot, "action": event.action, "seconds": event.seconds, "worker": worker}
-                for event in session._builder.events
-            ]
+        self.build_events += [
+            {"snapshot": event.snapshot, "action": event.action, "seconds": event.seconds, "worker": worker}
+            for event in session.build_events
+        ]
         session.close()
 
 
 _STATE: Final = pytest.StashKey[_RunState]()
 _CHOICE: Final = pytest.StashKey[VMChoice]()
 _TEST_VM: Final = pytest.StashKey["VM"]()
+_TEST_VMS: Final = pytest.StashKey["_TestVMs"]()
 
 
 # -- options and configuration ------------------------------------------------------------------------------
@@ -172,13 +172,7 @@ def _configure(config: pytest.Config) -> _RunState:
     from .backend import registry
     from .baseline import parse_compare_fail
 
-    rootdir = Path(config.rootpath)
-    option = forkd_settings.OPTIONS[[o.name for o in forkd_settings.OPTIONS].index("config")]
-    import os
-
-    config_file, config_source = forkd_settings.config_path(
-        config.getoption(option.dest), os.environ, str(config.getini(option.ini_key)), rootdir
-    )
+    config_file, config_source = forkd_settings.project_file(config)
     project = load_project(config_file) if config_file else EMPTY_PROJECT
     settings = forkd_settings.from_pytest_config(
         config, project.settings, config_file=config_file, config_source=config_source, backends=registry().ids()
@@ -291,15 +285,26 @@ class _TestVMs:
         self._vms += children
         return children
 
+    def checkpoint(self, vm: VM, tag: str | None = None, *, backend: str | None = None) -> Checkpoint:
+        """``vm.checkpoint()``, with the children forked from it started (and later killed) here."""
+        checkpoint = vm.checkpoint(tag, backend=backend)
+        checkpoint.snapshot = checkpoint.snapshot.with_owner(self)
+        return checkpoint
+
     def close(self) -> None:
         for vm in self._vms:
             vm.close()
         self._vms.clear()
 
 
+def _choice(item: pytest.Item, settings: Settings) -> VMChoice:
+    """The test's VM choice: its validated ``forkd`` marker, else the run's settings."""
+    return item.stash.get(_CHOICE, None) or VMChoice(settings.snapshot, settings.backend)
+
+
 @pytest.fixture
-def _forkd_test_vms(forkd: ForkdSession) -> Iterator[_TestVMs]:
-    test_vms = _TestVMs(forkd)
+def _forkd_test_vms(forkd: ForkdSession, request: pytest.FixtureRequest) -> Iterator[_TestVMs]:
+    test_vms = request.node.stash[_TEST_VMS] = _TestVMs(forkd)
     yield test_vms
     test_vms.close()
 
@@ -308,7 +313,7 @@ def _forkd_test_vms(forkd: ForkdSession) -> Iterator[_TestVMs]:
 def forkd_vm(forkd: ForkdSession, request: pytest.FixtureRequest, _forkd_test_vms: _TestVMs) -> Iterator[VM]:
     """A fresh copy-on-write child VM for this test, killed afterwards."""
     item = request.node
-    choice = item.stash.get(_CHOICE, None) or VMChoice(forkd.settings.snapshot, forkd.settings.backend)
+    choice = _choice(item, forkd.settings)
     build_seconds = forkd.build_seconds
     started = time.perf_counter()
     vm = forkd.child(choice)
@@ -328,15 +333,13 @@ def forkd_vm(forkd: ForkdSession, request: pytest.FixtureRequest, _forkd_test_vm
 
 
 @pytest.fixture
-def forkd_checkpoint(forkd_vm: VM, _forkd_test_vms: _TestVMs, request: pytest.FixtureRequest
+def forkd_checkpoint(forkd: ForkdSession, _forkd_test_vms: _TestVMs, request: pytest.FixtureRequest
                      ) -> Callable[..., Checkpoint]:
     """``forkd_checkpoint(vm, tag=None)``: ``vm.checkpoint()`` whose forked children die with the test."""
-    backend = forkd_vm.factory.default_backend
+    backend = _choice(request.node, forkd.settings).backend
 
     def take(vm: VM, tag: str | None = None) -> Checkpoint:
-        checkpoint = vm.checkpoint(tag, backend=backend)
-        checkpoint.snapshot = checkpoint.snapshot.with_owner(_forkd_test_vms)
-        return checkpoint
+        return _forkd_test_vms.checkpoint(vm, tag, backend=backend)
 
     return take
 
@@ -368,10 +371,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
         if vm is None:
             pytest.fail("@pytest.mark.forkd_dangerous checkpoints the test's VM: the test must use the forkd_vm "
                         "fixture", pytrace=False)
-        checkpoint = vm.checkpoint()
-        checkpoint.snapshot = checkpoint.snapshot.with_owner(item.funcargs.get("_forkd_test_vms")
-                                                             or checkpoint.snapshot.owner)
-        item.stash[DANGEROUS_CHECKPOINT] = checkpoint
+        backend = _choice(item, item.config.stash[_STATE].settings).backend
+        item.stash[DANGEROUS_CHECKPOINT] = item.stash[_TEST_VMS].checkpoint(vm, backend=backend)
     return (yield)
 
 
@@ -533,8 +534,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
 
 def _operations_table(samples: list[timings.Sample], budgets: list[Budget], comparison: Comparison | None) -> str:
     """Per operation: n, p50, p95, max, suite-wide budgets, p95 delta against the compared run."""
-    from .baseline import _op_order
-
     by_op: dict[str, list[float]] = {}
     for sample in samples:
         by_op.setdefault(sample.op, []).append(sample.ms)
@@ -544,7 +543,8 @@ def _operations_table(samples: list[timings.Sample], budgets: list[Budget], comp
             if row.test is None and row.old is not None and row.new is not None:
                 deltas[row.op] = f"{row.new.p95 - row.old.p95:+.1f} ms"
     rows = [("operation", "n", "p50 ms", "p95 ms", "max ms", "budget", "delta p95")]
-    for op in sorted(by_op, key=_op_order):
+    for op in sorted(by_op, key=lambda op: (timings.KNOWN_OPS.index(op) if op in timings.KNOWN_OPS
+                                            else len(timings.KNOWN_OPS), op)):
         summary = summarize(by_op[op])
         limits = ", ".join(f"{b.stat}<={b.limit_ms:g}" + (f"[{b.backend}]" if b.backend else "")
                            for b in budgets if b.op == op)

@@ -26,7 +26,7 @@ from .timings import Recorder
 
 if TYPE_CHECKING:
     from .factory import VMFactory
-    from .snapshot_builder import SnapshotBuilder
+    from .snapshot_builder import BuildEvent, SnapshotBuilder
     from .vm import VM
 
 
@@ -78,9 +78,9 @@ class ForkdSession:
             return self._builder
 
     @property
-    def started(self) -> bool:
-        """Whether any VM machinery exists yet (False for runs that used no forkd fixture)."""
-        return self._factory is not None
+    def build_events(self) -> list[BuildEvent]:
+        """Which named snapshots this session built or found cached, and how long that took."""
+        return list(self._builder.events) if self._builder is not None else []
 
     # -- snapshots ----------------------------------------------------------------
     def snapshot_for(self, name: str, *, memory_mib: int | None = None) -> Snapshot:

@@ -272,6 +272,13 @@ def choose_vm(settings: Settings, marker_args: tuple[Any, ...], marker_kwargs: M
     return VMChoice(snapshot=snapshot or settings.snapshot, backend=backend or settings.backend, memory_mib=memory_mib)
 
 
+def project_file(config: pytest.Config) -> tuple[Path | None, str]:
+    """The project file of a pytest run (``--forkd-config``, env, ini, or forkd.yaml in the rootdir)."""
+    option = _BY_NAME["config"]
+    return config_path(config.getoption(option.dest), os.environ, str(config.getini(option.ini_key)),
+                       Path(config.rootpath))
+
+
 def from_pytest_config(config: pytest.Config, project_settings: Mapping[str, Any], *, config_file: Path | None,
                        config_source: str, backends: list[str]) -> Settings:
     """Resolve the settings of a pytest run (command line, environment, ini file, forkd.yaml)."""

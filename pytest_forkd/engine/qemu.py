@@ -48,7 +48,9 @@ class MachineSpec:
         ]
 
     def append_line(self) -> str:
-        base = ["console=ttyS0", "quiet", "panic=-1", f"tsc_early_khz={tsc_khz()}", "tsc=reliable"]
+        # reboot=t: on microvm the kernel's ACPI and keyboard-controller resets never reach QEMU, so a
+        # panic (panic=-1 restarts at once) spun forever; a triple fault makes QEMU (-no-reboot) exit.
+        base = ["console=ttyS0", "quiet", "panic=-1", "reboot=t", f"tsc_early_khz={tsc_khz()}", "tsc=reliable"]
         return " ".join(base + list(self.kernel_args))
 
     def fingerprint(self) -> str:
@@ -87,6 +89,7 @@ class Machine:
         share: bool,
         owns_ram: bool,
         incoming: bool = False,
+        paused: bool = False,
         start_timeout: float = 20.0,
     ) -> "Machine":
         """Start QEMU; return once QMP is up and QEMU has connected the agent channel.
@@ -116,6 +119,8 @@ class Machine:
         ]
         if incoming:
             argv += ["-incoming", "defer"]
+        if paused:
+            argv.append("-S")
         with open(stderr_path, "wb") as stderr:
             process = spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
                             start_new_session=True)
@@ -132,7 +137,7 @@ class Machine:
             if qmp is not None:
                 qmp.close()
             _kill(process)
-            for path in (agent_path, qmp_path):
+            for path in (agent_path, qmp_path, console_path, stderr_path):
                 path.unlink(missing_ok=True)
             if owns_ram:
                 ram_path.unlink(missing_ok=True)
@@ -204,6 +209,10 @@ class Machine:
 
     def console_tail(self, lines: int = CONSOLE_TAIL_LINES) -> str:
         return tail_of(self.console_path, lines) or tail_of(self.stderr_path, lines)
+
+    def stderr_tail(self, lines: int = 10) -> str:
+        """What QEMU itself printed (errors about its arguments, migration streams...)."""
+        return tail_of(self.stderr_path, lines)
 
     def crash_error(self, what: str) -> GuestCrashed:
         """A GuestCrashed describing how this machine ended, with the console tail."""
