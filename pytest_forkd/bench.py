@@ -229,6 +229,7 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
              title="BRANCH pause window vs memory", xscale="log")
     left.set_xticks(sorted({r["memory_mib"] for r in result["branch"]}))
     left.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    left.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.legend(fontsize=8)
     forks = sorted(result.get("fork", []), key=lambda r: r["memory_mib"])
     if forks:
@@ -239,6 +240,7 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
         right.set(xlabel="guest memory (MiB)", ylabel="ms", title="fork latency vs memory", xscale="log")
         right.set_xticks([r["memory_mib"] for r in forks])
         right.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        right.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         right.legend(fontsize=8)
     conditions = result.get("conditions", {})
     figure_.suptitle(f"pytest-forkd on {conditions.get('cpus', '?')} CPUs, QEMU {conditions.get('qemu', '?')}, "

@@ -14,7 +14,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from . import timings
 from .backend import MEMORY_FILE, STATE_FILE, CaptureSource, registry
 from .engine.memory import copy_sparse
 from .errors import SnapshotError
@@ -53,7 +52,8 @@ def branch(vm: "VM", tag: str | None = None, *, backend: str | None = None,
     started = time.perf_counter()
     with store.begin(tag) as pending:
         try:
-            capture = chosen.capture(CaptureSource(vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30)), pending.dir)
+            source = CaptureSource(vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30))
+            capture = chosen.capture(source, pending.dir)
         except BaseException:
             vm.recover_after_failed_pause()
             raise

@@ -67,6 +67,7 @@ from .timings import Recorder
 if TYPE_CHECKING:
     from .baseline import Comparison, Threshold
     from .checkpoint import Checkpoint
+    from .engine.accel import AccelVerdict
     from .session import ForkdSession
     from .snapshot import Snapshot
     from .vm import VM
@@ -170,12 +171,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _configure(config: pytest.Config) -> _RunState:
     from .backend import registry
-    from .baseline import parse_compare_fail
 
     config_file, config_source = forkd_settings.project_file(config)
     project = load_project(config_file) if config_file else EMPTY_PROJECT
     settings = forkd_settings.from_pytest_config(
-        config, project.settings, config_file=config_file, config_source=config_source, backends=registry().ids()
+        config, project.settings, config_file=config_file, config_source=config_source,
+        backends=lambda: registry().ids(),
     )
     if settings.snapshot not in project.snapshot_names():
         from .snapshot_builder import unknown_snapshot_error
@@ -191,8 +192,16 @@ def _configure(config: pytest.Config) -> _RunState:
         recorder=recorder,
         previous_recorder=timings.set_active_recorder(recorder),
         cli_budgets=[budget_from_cli(text) for text in config.getoption("forkd_budget")],
-        thresholds=[parse_compare_fail(text) for text in config.getoption("forkd_compare_fail")],
+        thresholds=_compare_fail_thresholds(config.getoption("forkd_compare_fail")),
     )
+
+
+def _compare_fail_thresholds(expressions: list[str]) -> list[Threshold]:
+    if not expressions:
+        return []
+    from .baseline import parse_compare_fail
+
+    return [parse_compare_fail(text) for text in expressions]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -204,7 +213,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """Engine, accelerator (with the cached verdict), backend and snapshot; probes nothing."""
-    from .engine.accel import cached_verdict
     from .engine.host import find_qemu
     from .errors import HostNotReady
 
@@ -216,7 +224,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         accel = settings.describe("accel")
     else:
         engine = f"QEMU {qemu.version} ({qemu.binary})"
-        verdict = cached_verdict(qemu) if settings.accel == "auto" else None
+        verdict = _cached_accel_verdict(settings)
         if verdict is not None:
             accel = f"auto -> {verdict.accel} ({verdict.reason}; cached verdict)"
         elif settings.accel == "auto":
@@ -311,7 +319,11 @@ def _forkd_test_vms(forkd: ForkdSession, request: pytest.FixtureRequest) -> Iter
 
 @pytest.fixture
 def forkd_vm(forkd: ForkdSession, request: pytest.FixtureRequest, _forkd_test_vms: _TestVMs) -> Iterator[VM]:
-    """A fresh copy-on-write child VM for this test, killed afterwards."""
+    """A fresh copy-on-write child VM for this test, killed afterwards.
+
+    While the test runs, branches and checkpoints taken without naming a
+    backend use the test's backend (its ``forkd`` marker, else the run's).
+    """
     item = request.node
     choice = _choice(item, forkd.settings)
     build_seconds = forkd.build_seconds
@@ -383,14 +395,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     vm = item.stash.get(_TEST_VM, None)
     if vm is None or not report.failed or report.when not in ("setup", "call"):
         return report
-    report.sections.append((f"forkd VM {vm.name}", describe_vm(vm)))
+    report.sections.append((f"forkd VM {vm.name}", _describe_vm(vm)))
     state = item.config.stash[_STATE]
     if state.settings.keep_failed and state.session is not None:
         report.sections.append(("forkd kept VM", _keep_failed_vm(state, item, vm)))
     return report
 
 
-def describe_vm(vm: VM) -> str:
+def _describe_vm(vm: VM) -> str:
     """The VM's last commands (exit code, ms) and its console tail, for a failure report."""
     lines = [f"{vm!r}, started from snapshot {vm.origin.tag if vm.origin else '-'}", "last commands (oldest first):"]
     for entry in vm.history:
@@ -420,12 +432,15 @@ def _keep_failed_vm(state: _RunState, item: pytest.Item, vm: VM) -> str:
     if vm.closed:
         return f"VM {vm.name} is gone (its guest crashed or it was closed), so there is nothing to keep"
     tag = sanitize_tag(f"failed-{item.name}")
-    with state.recorder.running_test(None):
-        staged = vm.branch(backend="full")
-        try:
-            publish_copy(staged, session.store, tag, extra={"failed_test": item.nodeid})
-        finally:
-            session.factory.session_store.remove(staged.tag)
+    try:
+        with state.recorder.running_test(None):
+            staged = vm.branch(backend="full")
+            try:
+                publish_copy(staged, session.store, tag, extra={"failed_test": item.nodeid})
+            finally:
+                session.factory.session_store.remove(staged.tag)
+    except ForkdError as exc:
+        return f"could not save VM {vm.name} as snapshot {tag!r}: {exc}"
     state.kept.append(KeptVM(item.nodeid, tag, str(session.store.root)))
     store_option = f" --store {session.store.root}" if session.settings.store else ""
     return (
@@ -470,8 +485,9 @@ def _store_and_compare(config: pytest.Config, state: _RunState, budgets: list[Bu
 
     root = Path(config.rootpath)
     settings = state.settings
-    conditions = {"accel": settings.accel, "backend": settings.backend, "snapshot": settings.snapshot,
-                  "pool": settings.pool}
+    verdict = _cached_accel_verdict(settings)
+    conditions = {"accel": verdict.accel if verdict else settings.accel, "backend": settings.backend,
+                  "snapshot": settings.snapshot, "pool": settings.pool}
     document = build_run(state.recorder, root=root, conditions=conditions, qemu_version=_qemu_version())
     options = config.option
     if options.forkd_compare is not None:
@@ -591,6 +607,20 @@ def _progress_printer(config: pytest.Config) -> Callable[[str], None]:
             reporter.write_line(line)
 
     return show
+
+
+def _cached_accel_verdict(settings: Settings) -> AccelVerdict | None:
+    """The host's recorded verdict for ``--forkd-accel=auto`` (None: not probed yet, or not auto)."""
+    from .engine.accel import cached_verdict
+    from .engine.host import find_qemu
+    from .errors import HostNotReady
+
+    if settings.accel != "auto":
+        return None
+    try:
+        return cached_verdict(find_qemu())
+    except HostNotReady:
+        return None
 
 
 def _qemu_version() -> str | None:

@@ -51,6 +51,8 @@ class ForkdSession:
         self._current: Snapshot | None = None
         self._current_generation: int | None = None
         """The parent's generation when ``_current`` was taken (None: no parent yet)."""
+        self._pooled: Snapshot | None = None
+        """The snapshot whose children the factory keeps ready."""
         self._lock = threading.RLock()
         self.build_seconds = 0.0
         """Time spent building or looking up named snapshots; not part of any test's fixture overhead."""
@@ -108,17 +110,19 @@ class ForkdSession:
             parent = self._parent
             if parent is not None and not parent.closed and parent.generation != self._current_generation:
                 self._current_generation = parent.generation
-                self._use(parent.branch(backend=self.settings.backend))
+                self._current = parent.branch(f"parent-g{parent.generation}", backend=self.settings.backend)
             elif self._current is None:
-                self._use(self.selected)
-            assert self._current is not None
+                self._current = self.selected
+            self._keep_children_ready(self._current)
             return self._current
 
-    def _use(self, snapshot: Snapshot) -> None:
-        """Make ``snapshot`` the one children come from, and move the pool of ready children to it."""
-        previous, self._current = self._current, snapshot
-        if previous is not None and previous.path != snapshot.path:
-            self.factory.drop_pool(previous)
+    def _keep_children_ready(self, snapshot: Snapshot) -> None:
+        """Move the pool of pre-restored children to ``snapshot`` (the one tests' VMs come from now)."""
+        if self._pooled is not None and self._pooled.path == snapshot.path:
+            return
+        if self._pooled is not None:
+            self.factory.drop_pool(self._pooled)
+        self._pooled = snapshot
         if self.settings.pool > 0:
             self.factory.pool(snapshot, self.settings.pool)
 
@@ -133,10 +137,9 @@ class ForkdSession:
         with self._lock:
             if self._parent is None:
                 with self.timings.running_test(None):
-                    selected = self.selected
-                    self._parent = self.factory.fork_snapshot(selected, 1)[0]
+                    self._current = self.selected
+                    self._parent = self.factory.fork_snapshot(self._current, 1)[0]
                 self._current_generation = self._parent.generation
-                self._use(selected)
             elif self._parent.closed:
                 raise VMError(
                     f"the parent VM {self._parent.name} is gone (its guest crashed or it was closed), and with "
@@ -160,6 +163,6 @@ class ForkdSession:
         """Kill every VM of the session and remove its run directory."""
         with self._lock:
             factory, self._factory = self._factory, None
-            self._parent = self._current = None
+            self._parent = self._current = self._pooled = None
         if factory is not None:
             factory.close()

@@ -201,7 +201,7 @@ def resolve(
     env: Mapping[str, str],
     ini: Mapping[str, str],
     project_settings: Mapping[str, Any],
-    backends: list[str],
+    backends: Callable[[], list[str]],
     rootdir: Path,
     config: Path | None = None,
     config_source: str = "default",
@@ -211,8 +211,9 @@ def resolve(
 
     ``cli`` holds option values by setting name (None = not given), ``ini``
     the raw ini strings ("" = not set), ``project_settings`` forkd.yaml's
-    validated ``settings:`` section; ``backends`` are the registered storage
-    backend ids. Relative store paths resolve against the working directory
+    validated ``settings:`` section; ``backends()`` returns the registered
+    storage backend ids (loading them costs tens of ms, so it is only called
+    to check a backend the user named). Relative store paths resolve against the working directory
     (CLI, env) or the rootdir (ini); forkd.yaml already made its own absolute.
     """
     values: dict[str, Any] = {"config": config}
@@ -238,7 +239,8 @@ def resolve(
         if option.is_path and isinstance(value, str):
             value = ((rootdir if source.startswith("ini ") else Path.cwd()) / value).absolute()
         values[option.name], sources[option.name] = value, source
-    check_backend(values["backend"], backends, sources["backend"])
+    if sources["backend"] != "default":
+        check_backend(values["backend"], backends(), sources["backend"])
     return Settings(**values, sources=sources)
 
 
@@ -259,7 +261,9 @@ def choose_vm(settings: Settings, marker_args: tuple[Any, ...], marker_kwargs: M
         raise ConfigError(f"{where}: takes keyword arguments only, e.g. forkd(snapshot='tools')")
     unknown = sorted(set(marker_kwargs) - set(MARKER_ARGS))
     if unknown:
-        raise ConfigError(f"{where}: unknown argument(s) {', '.join(unknown)}; valid arguments: {', '.join(MARKER_ARGS)}")
+        raise ConfigError(
+            f"{where}: unknown argument(s) {', '.join(unknown)}; valid arguments: {', '.join(MARKER_ARGS)}"
+        )
     snapshot = marker_kwargs.get("snapshot")
     backend = marker_kwargs.get("backend")
     memory_mib = marker_kwargs.get("memory_mib")
@@ -280,7 +284,7 @@ def project_file(config: pytest.Config) -> tuple[Path | None, str]:
 
 
 def from_pytest_config(config: pytest.Config, project_settings: Mapping[str, Any], *, config_file: Path | None,
-                       config_source: str, backends: list[str]) -> Settings:
+                       config_source: str, backends: Callable[[], list[str]]) -> Settings:
     """Resolve the settings of a pytest run (command line, environment, ini file, forkd.yaml)."""
     return resolve(
         cli={option.name: config.getoption(option.dest) for option in OPTIONS if option.name != "config"},

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
 from . import branching
-from .engine.memory import data_extents
+from .engine.memory import copy_sparse
 from .errors import ConfigError, SnapshotError
 from .exec_result import ExecResult
 from .image import ensure_image
@@ -295,23 +294,7 @@ def publish_copy(snapshot: Snapshot, store: SnapshotStore, tag: str, *,
         )
     with store.begin(tag, replace=True) as pending:
         for name in (snapshot.state_file, snapshot.memory_file):
-            _copy_sparse_across_filesystems(snapshot.path / name, pending.dir / name)
+            copy_sparse(snapshot.path / name, pending.dir / name)
         record = snapshot.replace(tag=tag, path=pending.dir, owner=None, extra={**snapshot.extra, **(extra or {})})
         return pending.publish(record)
-
-
-def _copy_sparse_across_filesystems(source: Path, destination: Path) -> None:
-    """Copy a file keeping its holes, in the kernel (sendfile works between filesystems)."""
-    with open(source, "rb") as src, open(destination, "xb") as dst:
-        size = os.fstat(src.fileno()).st_size
-        for offset, length in data_extents(src.fileno()):
-            os.lseek(dst.fileno(), offset, os.SEEK_SET)
-            done = 0
-            while done < length:
-                sent = os.sendfile(dst.fileno(), src.fileno(), offset + done, length - done)
-                if sent == 0:
-                    raise SnapshotError(f"{source} shrank while it was copied to {destination}")
-                done += sent
-        os.ftruncate(dst.fileno(), size)
-        os.fsync(dst.fileno())
 

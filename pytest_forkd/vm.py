@@ -93,9 +93,9 @@ class VM:
         try:
             result = self._call(f"running {command!r}", self._agent.exec, command, timeout=timeout,
                                 env=env, cwd=cwd, stdin=stdin)
-        except ExecTimeout as exc:
+        except ExecTimeout:
             entry.update(exit_code=None, timed_out=True)
-            raise exc
+            raise
         finally:
             elapsed = (time.perf_counter() - started) * 1000
             entry["ms"] = round(elapsed, 2)

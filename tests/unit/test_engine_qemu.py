@@ -1,0 +1,159 @@
+"""The QEMU command line (MachineSpec, Machine.launch) and its clean-up when QEMU fails to start.
+
+No VM is started: a fake QEMU records the arguments it was given and exits
+with an error, which is also how a broken QEMU installation looks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_forkd.engine.host import Qemu, tsc_khz
+from pytest_forkd.engine.qemu import Machine, MachineSpec, tail_of
+from pytest_forkd.errors import VMStartError
+
+QEMU = Qemu(binary="/usr/bin/qemu-system-x86_64", version="7.2.22")
+
+
+def option_values(argv: list[str], option: str) -> list[str]:
+    """Every value that follows ``option`` in ``argv``."""
+    return [argv[index + 1] for index, arg in enumerate(argv[:-1]) if arg == option]
+
+
+def test_tcg_machine_arguments() -> None:
+    args = MachineSpec(qemu=QEMU, accel="tcg", memory_mib=512, vcpus=2).machine_args()
+
+    assert option_values(args, "-M") == ["microvm,suppress-vmdesc=on"]
+    assert option_values(args, "-accel") == ["tcg"]
+    assert option_values(args, "-cpu") == ["max"]
+    assert option_values(args, "-smp") == ["2"]
+    assert option_values(args, "-m") == ["512M"]
+    assert {"-no-reboot", "-nodefaults", "-no-user-config"} <= set(args)
+    # Children load a device-state-only stream: the parent must not send its configuration.
+    assert option_values(args, "-global") == ["migration.send-configuration=off"]
+
+
+def test_kvm_uses_the_host_cpu() -> None:
+    args = MachineSpec(qemu=QEMU, accel="kvm").machine_args()
+
+    assert option_values(args, "-accel") == ["kvm"]
+    assert option_values(args, "-cpu") == ["host"]
+
+
+def test_kernel_command_line_calibrates_the_tsc_and_exits_on_panic() -> None:
+    line = MachineSpec(qemu=QEMU, accel="tcg", kernel_args=("loglevel=3", "forkd.x=1")).append_line().split()
+
+    assert f"tsc_early_khz={tsc_khz()}" in line and "tsc=reliable" in line
+    assert {"console=ttyS0", "panic=-1", "reboot=t"} <= set(line)
+    assert line[-2:] == ["loglevel=3", "forkd.x=1"]  # the image's arguments come last, so they win
+
+
+def test_fingerprint_tracks_what_children_must_share() -> None:
+    spec = MachineSpec(qemu=QEMU, accel="tcg")
+
+    assert spec.fingerprint() == MachineSpec(qemu=QEMU, accel="tcg").fingerprint()
+    different = [
+        MachineSpec(qemu=Qemu(QEMU.binary, "8.0.0"), accel="tcg"),
+        MachineSpec(qemu=QEMU, accel="kvm"),
+        MachineSpec(qemu=QEMU, accel="tcg", memory_mib=1024),
+        MachineSpec(qemu=QEMU, accel="tcg", vcpus=2),
+        MachineSpec(qemu=QEMU, accel="tcg", kernel_args=("quiet=0",)),
+    ]
+    fingerprints = {spec.fingerprint()} | {other.fingerprint() for other in different}
+    assert len(fingerprints) == len(different) + 1
+
+
+@pytest.fixture
+def failing_qemu(tmp_path: Path) -> tuple[Qemu, Path]:
+    """A QEMU stand-in that records its argv, complains on stderr and exits with status 1."""
+    record = tmp_path / "argv.json"
+    script = tmp_path / "fake-qemu"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n"
+        "sys.stderr.write('qemu-system-x86_64: -object memory-backend-file: fake failure\\n')\n"
+        "sys.exit(1)\n"
+    )
+    script.chmod(0o755)
+    return Qemu(binary=str(script), version="7.2.22"), record
+
+
+def launch(qemu: Qemu, directory: Path, **options: object) -> None:
+    defaults: dict[str, object] = dict(
+        kernel=Path("/images/vmlinuz"), initrd=Path("/images/initrd.cpio"),
+        ram_path=directory / "vm1.ram", share=True, owns_ram=True,
+    )
+    Machine.launch(MachineSpec(qemu=qemu, accel="tcg"), directory, "vm1", **{**defaults, **options})
+
+
+def test_root_vm_command_line(failing_qemu: tuple[Qemu, Path], tmp_path: Path) -> None:
+    qemu, record = failing_qemu
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    with pytest.raises(VMStartError):
+        launch(qemu, run_dir)
+
+    argv = json.loads(record.read_text())
+    spec = MachineSpec(qemu=qemu, accel="tcg")
+    assert argv[: len(spec.machine_args())] == spec.machine_args()
+    assert option_values(argv, "-kernel") == ["/images/vmlinuz"]
+    assert option_values(argv, "-initrd") == ["/images/initrd.cpio"]
+    assert option_values(argv, "-append") == [spec.append_line()]
+    assert option_values(argv, "-object") == [
+        f"memory-backend-file,id=mem,size=256M,mem-path={run_dir / 'vm1.ram'},share=on"
+    ]
+    assert option_values(argv, "-machine") == ["memory-backend=mem"]
+    assert f"socket,id=agent,path={run_dir / 'vm1.agent'},server=off" in option_values(argv, "-chardev")
+    assert f"file,id=console,path={run_dir / 'vm1.console'}" in option_values(argv, "-chardev")
+    assert option_values(argv, "-qmp") == [f"unix:{run_dir / 'vm1.qmp'},server=on,wait=off"]
+    assert "-incoming" not in argv
+
+
+def test_child_maps_its_snapshot_copy_on_write_and_waits_for_state(
+    failing_qemu: tuple[Qemu, Path], tmp_path: Path
+) -> None:
+    qemu, record = failing_qemu
+    snapshot_memory = tmp_path / "memory.ram"
+    snapshot_memory.write_bytes(b"\0" * 4096)
+
+    with pytest.raises(VMStartError):
+        launch(qemu, tmp_path, ram_path=snapshot_memory, share=False, owns_ram=False, incoming=True)
+
+    argv = json.loads(record.read_text())
+    assert option_values(argv, "-object") == [
+        f"memory-backend-file,id=mem,size=256M,mem-path={snapshot_memory},share=off"
+    ]
+    assert argv[-2:] == ["-incoming", "defer"]
+    assert snapshot_memory.read_bytes() == b"\0" * 4096  # not the child's to remove
+
+
+def test_qemu_exiting_at_start_is_reported_with_its_stderr_and_leaves_nothing(
+    failing_qemu: tuple[Qemu, Path], tmp_path: Path
+) -> None:
+    qemu, _ = failing_qemu
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "vm1.ram").write_bytes(b"guest memory")
+
+    with pytest.raises(VMStartError) as caught:
+        launch(qemu, run_dir)
+
+    message = str(caught.value)
+    assert "QEMU exited with status 1 while starting" in message
+    assert "memory-backend-file: fake failure" in message
+    assert os.listdir(run_dir) == []  # sockets, logs and the owned RAM file are gone
+
+
+def test_tail_of_keeps_the_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "console"
+    log.write_bytes(b"".join(b"line %d\r\n" % number for number in range(100)))
+
+    assert tail_of(log, 3) == "line 97\nline 98\nline 99"
+    assert tail_of(tmp_path / "missing", 3) == ""
