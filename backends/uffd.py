@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 from pytest_forkd.backend import MEMORY_FILE, STATE_FILE, Capture, CaptureSource, StorageBackend, hookimpl
-from pytest_forkd.engine.host import userfaultfd_problem
+from pytest_forkd.engine.host import filesystem_type, userfaultfd_problem
 from pytest_forkd.engine.qemu import Machine
-from pytest_forkd.errors import SnapshotError
+from pytest_forkd.errors import BackendError, SnapshotError
 
 MIGRATION_TIMEOUT_S = 600.0
 _counter = itertools.count(1)
@@ -75,12 +75,21 @@ class PauseMeter:
 class UffdBackend(StorageBackend):
     id = "uffd"
     description = "live branch: userfaultfd write-protect (QEMU background-snapshot), memory written in background"
+    requires_tmpfs_memory = True
 
     def unavailable_reason(self) -> str | None:
         return userfaultfd_problem()
 
     def capture(self, source: CaptureSource, target: Path) -> Capture:
         machine = source.machine
+        filesystem = filesystem_type(machine.ram_path)
+        if filesystem != "tmpfs":
+            raise BackendError(
+                f"the uffd backend cannot branch VM {machine.name}: its memory is a private mapping of "
+                f"{machine.ram_path} on {filesystem}, and userfaultfd write-protection covers only anonymous "
+                "and tmpfs memory. Fork it from a snapshot on /dev/shm (pytest sessions do this for you; "
+                "or use --forkd-store under /dev/shm), or use the diff backend"
+            )
         qmp = machine.qmp
         qmp.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": "background-snapshot", "state": True}]})

@@ -102,6 +102,10 @@ class StorageBackend:
 
     id: str = ""
     description: str = ""
+    requires_tmpfs_memory: bool = False
+    """True when the VM's RAM file must be on tmpfs (userfaultfd write-protection
+    does not cover private mappings of files on disk); sessions then copy a
+    disk-backed snapshot to /dev/shm before forking VMs they will branch."""
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot work on this host (shown by ``forkd doctor``), or None."""

@@ -109,6 +109,8 @@ class _RunState:
     comparison: Comparison | None = None
     saved_run: Path | None = None
     session: ForkdSession | None = None
+    worker_died: bool = False
+    """An xdist worker crashed: its QEMUs died with it (PDEATHSIG), its run directory is removed at the end."""
 
     def open_session(self, progress: Callable[[str], None]) -> ForkdSession:
         if self.session is None:
@@ -206,9 +208,14 @@ def _compare_fail_thresholds(expressions: list[str]) -> list[Threshold]:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
-    if state is not None:
-        state.close_session(_worker_id(config))
-        timings.set_active_recorder(state.previous_recorder)
+    if state is None:
+        return
+    state.close_session(_worker_id(config))
+    timings.set_active_recorder(state.previous_recorder)
+    if state.worker_died:  # by now xdist has reaped the dead worker, so its run directory counts as stale
+        from .engine.rundir import clean_stale
+
+        clean_stale()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -581,6 +588,7 @@ class _XdistHooks:
     def pytest_testnodedown(self, node: Any, error: object) -> None:
         output = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT_KEY)
         if output is None:
+            self.state.worker_died |= error is not None
             return
         data = json.loads(output)
         self.state.recorder.extend(Recorder.from_json(data["samples"]).samples())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import VMError
@@ -53,6 +54,8 @@ class ForkdSession:
         """The parent's generation when ``_current`` was taken (None: no parent yet)."""
         self._pooled: Snapshot | None = None
         """The snapshot whose children the factory keeps ready."""
+        self._staged: dict[Path, Snapshot] = {}
+        """Copies on /dev/shm of disk-backed snapshots, for backends that need tmpfs memory."""
         self._lock = threading.RLock()
         self.build_seconds = 0.0
         """Time spent building or looking up named snapshots; not part of any test's fixture overhead."""
@@ -101,7 +104,29 @@ class ForkdSession:
     @property
     def selected(self) -> Snapshot:
         """The snapshot chosen for this run (``--forkd-snapshot``)."""
-        return self.snapshot_for(self.settings.snapshot)
+        return self._on_suitable_memory(self.snapshot_for(self.settings.snapshot))
+
+    def _on_suitable_memory(self, snapshot: Snapshot, backend: str | None = None) -> Snapshot:
+        """``snapshot``, or a once-per-session copy on /dev/shm when the backend needs tmpfs memory.
+
+        The uffd backend can only branch VMs whose RAM file is on tmpfs, and
+        the persistent store usually lives on disk.
+        """
+        from .backend import registry
+        from .engine.host import filesystem_type
+        from .snapshot_builder import publish_copy
+
+        memory = snapshot.memory_path
+        if (memory is None or not registry().get(backend or self.settings.backend).requires_tmpfs_memory
+                or filesystem_type(memory) == "tmpfs"):
+            return snapshot
+        with self._lock:
+            staged = self._staged.get(snapshot.path)
+            if staged is None:
+                with self.timings.running_test(None):
+                    staged = publish_copy(snapshot, self.factory.session_store, f"{snapshot.tag}-tmpfs")
+                self._staged[snapshot.path] = staged = staged.with_owner(self.factory)
+            return staged
 
     @property
     def snapshot(self) -> Snapshot:
@@ -156,7 +181,8 @@ class ForkdSession:
         if choice.snapshot == self.settings.snapshot and choice.memory_mib in (None, self.selected.memory_mib):
             origin = self.snapshot
         else:
-            origin = self.snapshot_for(choice.snapshot, memory_mib=choice.memory_mib)
+            origin = self._on_suitable_memory(self.snapshot_for(choice.snapshot, memory_mib=choice.memory_mib),
+                                              choice.backend)
         return self.factory.fork_snapshot(origin, 1)[0]
 
     def close(self) -> None:

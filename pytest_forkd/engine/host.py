@@ -126,3 +126,22 @@ def pagemap_scan_problem() -> str | None:
 def shm_free_bytes(path: str = "/dev/shm") -> int:
     stat = os.statvfs(path)
     return stat.f_bavail * stat.f_frsize
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """Type of the filesystem holding ``path`` (``tmpfs``, ``ext4``...), from /proc/self/mounts."""
+    target = os.path.realpath(path)
+    best, best_type = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = fields[1].replace("\\040", " ")
+                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, fields[2]
+    except OSError:
+        pass
+    return best_type

@@ -249,10 +249,11 @@ def test_cli_doctor_reports_the_accelerator_verdict(shm_root: Path) -> None:
 
 OWNER_SCRIPT = """
 import sys, time
-from pytest_forkd.factory import boot, default_factory
+import pytest_forkd
+from pytest_forkd.factory import default_factory
 from pytest_forkd.snapshot import Snapshot
 snapshot_dir, accel = sys.argv[1:]
-root = boot(accel=accel)
+root = pytest_forkd.boot(accel=accel)
 child = default_factory(accel).fork_snapshot(Snapshot.load_from(snapshot_dir), 1)[0]
 print(root.machine.pid, child.machine.pid, default_factory(accel).run_dir.path, flush=True)
 time.sleep(600)

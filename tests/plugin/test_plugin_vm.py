@@ -221,3 +221,20 @@ def test_budget_violation_fails_the_run_and_names_the_test(pytester, run_forkd, 
     compared.assert_outcomes(passed=2)
     assert compared.ret == pytest.ExitCode.TESTS_FAILED  # the marker budget still fails
     compared.stdout.fnmatch_lines(["*compared with 0001_first:*"])
+
+
+def test_xdist_worker_death_leaves_nothing_behind(pytester, run_forkd):
+    pytester.makepyfile(test_kill="""
+        import os
+        import signal
+
+        def test_worker_dies(forkd_vm, forkd_parent):
+            forkd_vm.exec("true")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def test_other(forkd_vm):
+            assert forkd_vm.exec("true").ok
+    """)
+    result = run_forkd("-p", "xdist", "-n", "2")  # run_forkd checks that no QEMU and no run directory is left
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*worker 'gw*' crashed while running*test_worker_dies*"])

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
 from pytest_forkd.engine.rundir import OWNER_FILE, RunDir, clean_stale
 
 
@@ -29,8 +31,16 @@ def fake_run_dir(root: Path, owner: dict[str, object] | None) -> Path:
 
 
 def process_mentioning(path: Path) -> subprocess.Popen:
-    """A long-running process whose command line names ``path``, as a QEMU of that run would."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"mem-path={path}"])
+    """A long-running process whose command line names ``path``, as a QEMU of that run would.
+
+    Returns once the new program runs: until its exec, /proc shows the command line of this process.
+    """
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"mem-path={path}"])
+    needle = str(path).encode()
+    started = Retrying(stop=stop_after_delay(30), wait=wait_fixed(0.01), retry=retry_if_result(lambda ok: not ok),
+                       reraise=True)
+    started(lambda: needle in Path(f"/proc/{process.pid}/cmdline").read_bytes())
+    return process
 
 
 def test_run_dir_records_its_owner_and_is_removed_on_close(tmp_path: Path) -> None:
