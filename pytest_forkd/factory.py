@@ -26,6 +26,7 @@ from .engine.rundir import RunDir
 from .errors import VMStartError
 from .guest.client import AgentClient, AgentTimeout, ChannelClosed
 from .image import Image, ensure_image, load_image
+from .image.catalog import image_at, image_directory, is_published
 from .pool import ChildPool
 from .snapshot import Snapshot
 from .store import SnapshotStore
@@ -143,10 +144,18 @@ class VMFactory:
         if not snapshot.is_ready:
             snapshot = snapshot.wait_ready()
         store = SnapshotStore(snapshot.path.parent)
-        image = load_image(snapshot.image)
+        image = self._image_of(snapshot)
         spec = self.machine_spec(image, memory_mib=snapshot.memory_mib, vcpus=snapshot.vcpus)
         store.check_compatible(snapshot, self.fingerprint(image, spec))
         return snapshot, image, spec, store
+
+    @staticmethod
+    def _image_of(snapshot: Snapshot) -> Image:
+        """The exact image a snapshot was taken with, even if its name now points to a rebuild."""
+        key = snapshot.fingerprint.get("image")
+        if key and is_published(key):
+            return image_at(snapshot.image, image_directory(key))
+        return load_image(snapshot.image)  # the fingerprint check then explains a mismatch
 
     def _launch_child(self, snapshot: Snapshot, image: Image, spec: MachineSpec, store: SnapshotStore,
                       timeout: float = BOOT_TIMEOUT_S) -> VM:

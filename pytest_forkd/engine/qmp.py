@@ -14,9 +14,10 @@ import array
 import json
 import socket
 import threading
-import time
 from collections import deque
 from typing import Any, Callable
+
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from ..errors import VMError
 
@@ -36,7 +37,10 @@ class QMPClient:
         self._lock = threading.Lock()
         self._next_id = 0
         self.events: deque[dict[str, Any]] = deque(maxlen=256)
-        greeting = self._read_message()
+        try:
+            greeting = self._read_message()
+        except socket.timeout as exc:
+            raise QMPError(f"QEMU's monitor at {path} sent no greeting within {timeout:g} s") from exc
         if "QMP" not in greeting:
             raise QMPError(f"unexpected QMP greeting: {greeting!r}")
         self.version = greeting["QMP"].get("version", {}).get("qemu", {})
@@ -45,10 +49,7 @@ class QMPClient:
     # -- wire ------------------------------------------------------------
     def _read_message(self) -> dict[str, Any]:
         while b"\n" not in self._buffer:
-            try:
-                chunk = self._sock.recv(65536)
-            except socket.timeout as exc:
-                raise QMPError("QEMU's monitor did not answer in time") from exc
+            chunk = self._sock.recv(65536)  # socket.timeout propagates: the caller names what timed out
             if not chunk:
                 raise QMPError("QEMU's monitor closed the connection (QEMU exited)")
             self._buffer += chunk
@@ -94,11 +95,15 @@ class QMPClient:
     def wait_until(self, predicate: Callable[[], bool], *, timeout: float, what: str,
                    interval: float = 0.002) -> None:
         """Poll ``predicate`` (which usually runs a query command) until true or time out."""
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise QMPError(f"timed out after {timeout:.0f} s waiting for {what}")
-            time.sleep(interval)
+        try:
+            for attempt in Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(interval),
+                                    retry=retry_if_result(lambda done: not done)):
+                with attempt:
+                    done = predicate()
+                if not attempt.retry_state.outcome.failed:
+                    attempt.retry_state.set_result(done)
+        except RetryError:
+            raise QMPError(f"timed out after {timeout:g} s waiting for {what}") from None
 
     def close(self) -> None:
         try:

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import time
 from pathlib import Path
 
 from ..paths import shm_root
@@ -36,6 +37,13 @@ def _owner_alive(directory: Path) -> bool:
     except (OSError, ValueError):
         return False
     return _process_start_time(int(owner.get("pid", -1))) == owner.get("start_time")
+
+
+def _age_seconds(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _kill_processes_referencing(directory: Path) -> int:
@@ -64,7 +72,9 @@ def clean_stale(root: Path | None = None) -> list[Path]:
     removed: list[Path] = []
     if not root.is_dir():
         return removed
-    for directory in root.glob("run-*"):
+    for directory in [*root.glob("run-*"), *root.glob(".run-*")]:
+        if directory.name.startswith(".") and _age_seconds(directory) < 60:
+            continue  # being created right now
         if directory.is_dir() and not _owner_alive(directory):
             _kill_processes_referencing(directory)
             shutil.rmtree(directory, ignore_errors=True)
@@ -79,10 +89,15 @@ class RunDir:
         root = root or shm_root()
         root.mkdir(parents=True, exist_ok=True)
         clean_stale(root)
-        self.path = root / f"run-{os.getpid()}-{secrets.token_hex(3)}"
-        self.path.mkdir()
+        name = f"run-{os.getpid()}-{secrets.token_hex(3)}"
+        # Appear with the owner file already inside: another process's
+        # clean_stale() must never see this directory without its owner.
+        pending = root / f".{name}"
+        pending.mkdir()
         owner = {"pid": os.getpid(), "start_time": _process_start_time(os.getpid())}
-        (self.path / OWNER_FILE).write_text(json.dumps(owner))
+        (pending / OWNER_FILE).write_text(json.dumps(owner))
+        self.path = root / name
+        os.rename(pending, self.path)
         self._counter = 0
 
     def new_name(self, prefix: str = "vm") -> str:

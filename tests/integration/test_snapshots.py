@@ -28,6 +28,7 @@ from pytest_forkd.backend import (
 )
 from pytest_forkd.errors import BackendError, SnapshotError
 from pytest_forkd.factory import VMFactory
+from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.pool import ChildPool
 from pytest_forkd.snapshot import Snapshot
 from pytest_forkd.store import SnapshotStore
@@ -54,9 +55,10 @@ def exists(vm: VM, path: str) -> bool:
 
 
 def read_counter(vm: VM) -> int:
-    """The guest loop's counter; the loop truncates the file before writing it, so retry a torn read."""
-    poll = Retrying(stop=stop_after_delay(10), wait=wait_fixed(0.02), retry=retry_if_exception_type(ValueError),
-                    reraise=True)
+    """The guest loop's counter; retry until the loop has written it once, and after a torn read
+    (the loop truncates the file before writing it)."""
+    poll = Retrying(stop=stop_after_delay(10), wait=wait_fixed(0.02),
+                    retry=retry_if_exception_type((ValueError, GuestOSError)), reraise=True)
     return poll(lambda: int(vm.read_file("/root/counter")))
 
 

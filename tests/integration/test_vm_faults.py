@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 import pytest
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from support import is_running, processes_mentioning, wait_until_dead
 
 from pytest_forkd.engine.host import QEMU_PACKAGE, Qemu
 from pytest_forkd.engine.qemu import Machine, MachineSpec
@@ -37,21 +37,6 @@ FORKD = [sys.executable, "-m", "pytest_forkd.cli"]
 # -- leak checks -----------------------------------------------------------------
 
 
-def processes_mentioning(path: Path) -> list[str]:
-    """Command lines of the processes (other than this one) whose arguments mention ``path``."""
-    needle = str(path).encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:  # exited meanwhile
-            continue
-        if needle in cmdline:
-            words = cmdline.replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{entry.name}: {words[:300]}")
-    return found
 
 
 def assert_no_leaks(factory_or_run_dir: VMFactory | Path) -> None:
@@ -65,20 +50,8 @@ def assert_no_leaks(factory_or_run_dir: VMFactory | Path) -> None:
     assert set(leftovers) <= {OWNER_FILE}, f"stray files in {run_dir}: {leftovers}"
 
 
-def is_running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie waiting to be reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-def wait_until_dead(pid: int, seconds: float) -> bool:
-    """Poll until ``pid`` is gone; False if it still runs after ``seconds``."""
-    poll = Retrying(stop=stop_after_delay(seconds), wait=wait_fixed(0.05), retry=retry_if_result(bool),
-                    retry_error_callback=lambda state: state.outcome.result())
-    return not poll(is_running, pid)
 
 
 # -- fixtures ----------------------------------------------------------------------

@@ -10,28 +10,16 @@ from pathlib import Path
 
 import pytest
 import tenacity
+from support import processes_mentioning
 
 from pytest_forkd import paths
 
-pytest_plugins = ["pytester"]
 
 #: The real user cache, read before pytester points HOME at a temporary directory: the inner
 #: runs reuse the default guest image and the accelerator verdict instead of rebuilding them.
 USER_CACHE = paths.cache_dir()
 
 
-def processes_mentioning(text: str) -> list[str]:
-    """Command lines of the processes whose command line contains ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(f"{entry.name}: {cmdline}")
-    return found
 
 
 def assert_nothing_left(shm_dir: Path) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import wait_until_dead
 
 from pytest_forkd.errors import AgentError, ExecTimeout
 from pytest_forkd.guest import wire
@@ -87,18 +88,6 @@ def raw(agent: AgentUnderTest) -> RawChannel:
     return RawChannel(agent.host_end)
 
 
-def wait_until_dead(pid: int, within: float = 5.0) -> bool:
-    """True once ``pid`` is gone or a zombie (killed, waiting for its new parent to reap it)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.02)
-    return False
 
 
 # -- ping and epochs -----------------------------------------------------------------
@@ -248,7 +237,7 @@ def test_background_process_does_not_hold_the_exec(client: AgentClient) -> None:
     try:
         assert result.ok and result.stdout.splitlines()[1] == "done"
         assert elapsed < 5
-        assert not wait_until_dead(background_pid, within=0.2), "background processes must keep running"
+        assert not wait_until_dead(background_pid, seconds=0.2), "background processes must keep running"
     finally:
         os.kill(background_pid, signal.SIGKILL)
 

@@ -173,11 +173,6 @@ def test_a_command_qemu_never_answers_times_out(serve: Callable[..., FakeQMPServ
         client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="qmp.py _read_message turns the read timeout into QMPError before execute() can name the "
-    "command, although the module promises bounded waits that fail with a message naming it",
-)
 def test_a_timed_out_command_is_named_in_the_error(serve: Callable[..., FakeQMPServer]) -> None:
     client = QMPClient(str(serve(lambda command, fds: []).path))
     try:

@@ -14,27 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from support import is_running, wait_until_dead
 
 from pytest_forkd.engine.spawner import spawn
-
-
-def is_running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie waiting to be reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def wait_until_dead(pid: int, seconds: float) -> bool:
-    """Poll until ``pid`` is gone; False if it still runs after ``seconds``."""
-    poll = Retrying(stop=stop_after_delay(seconds), wait=wait_fixed(0.05), retry=retry_if_result(bool),
-                    retry_error_callback=lambda state: state.outcome.result())
-    return not poll(is_running, pid)
 
 
 def test_child_outlives_the_thread_that_requested_it() -> None:

@@ -1,0 +1,46 @@
+"""Suite-wide guard for pytest-forkd's own tests: a run must not leak VMs.
+
+Every test closes what it starts (fixtures own their factories). After the
+last test, no QEMU process may still reference one of this process's run
+directories; if one does, the run fails and names it, since a leak that only
+shows up as a slow machine later is much harder to trace back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pytest_forkd.paths import shm_root
+
+# The plugin's own tests drive inner pytest runs (tests/plugin).
+pytest_plugins = ["pytester"]
+
+
+def _leaked_vms() -> list[str]:
+    own_runs = [str(path) for path in shm_root().glob(f"run-{os.getpid()}-*")]
+    leaked = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "cmdline"), "rb") as handle:
+                cmdline = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "qemu-system" in cmdline and any(run in cmdline for run in own_runs):
+            leaked.append(f"pid {entry.name}: {cmdline.replace(chr(0), ' ')[:160]}")
+    return leaked
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    leaked = _leaked_vms()
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("VMs still running after the last test (a leak):", red=True)
+            for line in leaked:
+                reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
