@@ -83,7 +83,7 @@ def run_bench(plan: BenchPlan, progress: Callable[[str], None] = lambda line: No
 
 
 def _run(factory: VMFactory, plan: BenchPlan, progress: Callable[[str], None]) -> dict[str, Any]:
-    boots, forks, pooled, execs, pings = [], [], [], [], []
+    boots, forks, pooled, overhead, execs, pings = [], [], [], [], [], []
     first_memory = plan.memory_mib[0]
     progress(f"cold boots: {plan.boots} x {first_memory} MiB")
     for _ in range(plan.boots):
@@ -109,6 +109,18 @@ def _run(factory: VMFactory, plan: BenchPlan, progress: Callable[[str], None]) -
         child.ping()  # "to first reply", like fork_ms
         pooled.append(_ms(started))
         child.close()
+    progress(f"fixture overhead: {plan.repeats} x (pooled child, one command, close)")
+    for _ in range(plan.repeats):
+        # What the forkd_vm fixture costs a test when the pool has refilled since the last
+        # test (tests longer than one restore): setup (take) plus teardown (close).
+        _wait_for(lambda: len(pool) >= 1, timeout=120)
+        started = time.perf_counter()
+        child = factory.fork_snapshot(base, 1)[0]
+        setup_ms = _ms(started)
+        child.exec(["true"])
+        started = time.perf_counter()
+        child.close()
+        overhead.append(setup_ms + _ms(started))
     factory.drop_pool(base)
 
     progress("exec round trips")
@@ -134,6 +146,7 @@ def _run(factory: VMFactory, plan: BenchPlan, progress: Callable[[str], None]) -
         "cold_boot_ms": figure(boots),
         "fork_ms": figure(forks),
         "fork_pooled_ms": figure(pooled),
+        "fixture_overhead_ms": figure(overhead),
         "exec_rtt_ms": figure(execs),
         "ping_rtt_ms": figure(pings),
         "copy_reference_mib_s": figure(copy_reference),

@@ -77,36 +77,34 @@ def _chunks(ranges: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
             done += step
 
 
+def _transfer(source: int, source_base: int, destination: int, destination_base: int,
+              ranges: list[tuple[int, int]]) -> int:
+    """Copy ``ranges`` (offsets into guest memory) between two file descriptors through one buffer."""
+    total = 0
+    view = memoryview(bytearray(_CHUNK))
+    for offset, length in _chunks(ranges):
+        got = os.preadv(source, [view[:length]], source_base + offset)
+        os.pwrite(destination, view[:got], destination_base + offset)
+        total += got
+    return total
+
+
 def copy_out(pid: int, start: int, ranges: list[tuple[int, int]], destination: int) -> int:
     """Copy guest ``ranges`` from the VMM's memory into file ``destination`` at the same offsets."""
-    total = 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     try:
-        for offset, length in _chunks(ranges):
-            got = os.preadv(fd, [view[:length]], start + offset)
-            os.pwrite(destination, view[:got], offset)
-            total += got
+        return _transfer(fd, start, destination, 0, ranges)
     finally:
         os.close(fd)
-    return total
 
 
 def copy_in(pid: int, start: int, source: int, ranges: list[tuple[int, int]]) -> int:
     """Write ``ranges`` of file ``source`` into the VMM's memory at ``start`` + offset."""
-    total = 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     fd = os.open(f"/proc/{pid}/mem", os.O_RDWR)
     try:
-        for offset, length in _chunks(ranges):
-            got = os.preadv(source, [view[:length]], offset)
-            os.pwrite(fd, view[:got], start + offset)
-            total += got
+        return _transfer(source, 0, fd, start, ranges)
     finally:
         os.close(fd)
-    return total
 
 
 def data_extents(fd: int) -> list[tuple[int, int]]:
