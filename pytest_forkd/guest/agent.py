@@ -1,10 +1,12 @@
 """The guest agent: runs commands and moves files for the host over one byte stream.
 
-It runs inside the guest as ``python3 /opt/forkd/agent.py /dev/vportNpM`` with
-the Python standard library only, next to ``wire.py`` which defines the
-protocol (read its docstring first). On the host the same code runs over a
-socketpair for tests: ``Agent(fd, fd).serve_forever()`` in a thread, or
-``python3 agent.py --stdio`` with the channel on stdin and stdout.
+It runs inside the guest from ``/opt/forkd``, next to ``wire.py`` which
+defines the protocol (read its docstring first), with the Python standard
+library only: /init imports it, so that its byte-compiled form is used, and
+calls :func:`main` with the port device (``/dev/vportNpM``) as argument. On
+the host the same code runs over a socketpair for tests:
+``Agent(fd, fd).serve_forever()`` in a thread, or ``python3 agent.py
+--stdio`` with the channel on stdin and stdout.
 
 One reader thread decodes requests; each complete request is handled in its
 own thread, so a long command never delays a ping; every frame is written

@@ -74,9 +74,14 @@ export HOME=/root LANG=C.UTF-8
 [ -r /etc/forkd/env ] && . /etc/forkd/env
 cd /root || cd /
 
+# The agent is imported rather than run as a script so that its byte-compiled
+# form is used: a script is compiled at every start, which under emulation
+# costs about 0.1 s. -I: the agent neither reads PYTHON* variables meant for
+# the user's commands nor imports from the working directory; -S: it needs
+# no site-packages, and importing site costs about as much again.
 while :; do
     echo "forkd-agent: starting on $port"
-    /usr/bin/python3 /opt/forkd/agent.py "$port"
+    /usr/bin/python3 -I -S -c 'import sys; sys.path.insert(0, "/opt/forkd"); import agent; sys.exit(agent.main())' "$port"
     echo "forkd-agent: exited with status $?; restarting in 0.1 s"
     sleep 0.1
 done

@@ -50,7 +50,7 @@ from .recipe import Recipe, load_default_recipe, load_recipe
 from .rootfs import assemble_root, guest_files
 
 # Bump when the builder changes what it puts into an image, to invalidate cached images.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 DEFAULT_NAME = "default"
 # Restored children never boot: the head of the kernel and an empty archive
 # are enough for QEMU to start and cost far less memory per child (DESIGN.md 3).
@@ -178,7 +178,7 @@ def _run_pipeline(recipe: Recipe, name: str, key: str, workdir: Path, progress: 
     output.mkdir()
     progress("writing the initramfs")
     entries = write_initramfs(root, output / INITRD_FILE)
-    shutil.copyfile(kernel.vmlinuz, output / KERNEL_FILE)
+    shutil.copyfile(kernel.boot_image, output / KERNEL_FILE)
     with kernel.vmlinuz.open("rb") as source:
         (output / STUB_KERNEL_FILE).write_bytes(source.read(STUB_KERNEL_BYTES))
     write_empty_archive(output / STUB_INITRD_FILE, STUB_INITRD_BYTES)
@@ -203,6 +203,7 @@ def _run_pipeline(recipe: Recipe, name: str, key: str, workdir: Path, progress: 
             "package": kernel_package,
             "version": packages[kernel_package].version,
             "release": kernel.release,
+            "entry": "pvh" if kernel.boot_image != kernel.vmlinuz else "bzimage",
             "modules": [module.stem for module in kernel.modules],
         },
         "packages": {packages[package].name: packages[package].version for package in closure},

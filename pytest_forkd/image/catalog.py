@@ -3,6 +3,10 @@
 Layout under :func:`paths.images_dir`::
 
     <key>/vmlinuz  initrd.cpio  vmlinuz.stub  initrd.stub  manifest.json
+
+``vmlinuz`` is the kernel QEMU boots: the uncompressed ELF kernel when it has
+a PVH entry point (see kernel.py), else the package's bzImage; the stub is
+always the head of the bzImage.
     names/<name>          a one-line file holding the key the name points to
 
 An image directory is named by its content key and never changes once

@@ -1,14 +1,19 @@
 """Assemble the guest's root tree: unpacked packages, busybox applets, the agent, /init.
 
 The tree becomes the initramfs, so it is the whole guest filesystem: it lives
-in RAM in every VM and in every memory snapshot. What the guest never reads
-(documentation, translations, iconv modules) is dropped, and the Python standard library is
-byte-compiled here because Debian ships no .pyc files and compiling imports
-under TCG emulation doubles the agent's start time (DESIGN.md section 3b).
+in RAM in every VM and in every memory snapshot, and the kernel copies every
+byte of it into place at each cold boot, which under TCG emulation costs
+5-10 ms per MB. What the guest never reads (documentation, translations,
+iconv modules, the parts of Python's standard library that serve only its
+own test suite or a desktop) is dropped, and the Python standard library is
+byte-compiled here, its sources dropped (see :func:`byte_compile`), because
+Debian ships no .pyc files and compiling imports under TCG emulation doubles
+the agent's start time (DESIGN.md section 3b).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shlex
 import shutil
@@ -28,13 +33,29 @@ CONFIG_DIR = "etc/forkd"
 MULTIARCH = "x86_64-linux-gnu"
 # Never read in the guest. gconv holds glibc's iconv charset modules (8 MB, a
 # seventh of the image); Python has its own codecs and never loads them.
-PRUNED_DIRS = (
+# Debian's sitecustomize only tries to import apport's crash hook, a failed
+# import that every Python start would pay for.
+PRUNED_PATHS = (
     "usr/share/doc",
     "usr/share/man",
     "usr/share/locale",
     "usr/share/info",
     "usr/share/lintian",
     f"usr/lib/{MULTIARCH}/gconv",
+    "etc/python3*/sitecustomize.py",
+    "usr/lib/python3*/sitecustomize.py",
+)
+# Parts of the standard library (globs under usr/lib/python3.X) that only
+# CPython's own test suite, an interactive help() or a desktop would use.
+PRUNED_PYTHON_LIBRARY = (
+    "test",  # the regression-test package; unittest and doctest stay
+    "pydoc_data",  # help() topic texts (1.2 MB); pydoc says they are not available
+    "turtle.py",  # draws with tkinter, which the image does not have
+    "_pydecimal.py",  # decimal's pure-Python fallback; the C _decimal is there
+    "lib-dynload/_test*",
+    "lib-dynload/_ctypes_test.*",
+    "lib-dynload/_xxtestfuzz.*",
+    "lib-dynload/xxlimited*",
 )
 # Mount points and home that init expects; device nodes are added by the archive writer.
 SKELETON_DIRS = ("dev", "proc", "sys", "tmp", "run", "root", "mnt", CONFIG_DIR, MODULES_DIR, AGENT_DIR)
@@ -73,8 +94,7 @@ def assemble_root(
     progress(f"unpacking {len(debs)} packages")
     for deb in debs:
         unpack(deb, root)
-    for pruned in PRUNED_DIRS:
-        shutil.rmtree(root / pruned, ignore_errors=True)
+    prune(root, PRUNED_PATHS)
     for directory in SKELETON_DIRS:
         (root / directory).mkdir(parents=True, exist_ok=True)
     os.chmod(root / "tmp", 0o1777)
@@ -82,6 +102,7 @@ def assemble_root(
 
     install_busybox_links(root)
     python = link_python3(root)
+    prune(root / "usr" / "lib" / python.name, PRUNED_PYTHON_LIBRARY)
     install_modules(root, kernel)
     write_env_file(root / CONFIG_DIR / "env", env)
 
@@ -95,6 +116,21 @@ def assemble_root(
 
     progress("byte-compiling the guest's Python library")
     byte_compile(root, python)
+
+
+def prune(directory: Path, patterns: Iterable[str]) -> None:
+    """Remove what matches the glob ``patterns`` under ``directory``: files, links and whole trees.
+
+    glob.glob rather than Path.glob: links into the guest's tree (absolute
+    targets) dangle on the host, and Path.glob skips dangling links.
+    """
+    for pattern in patterns:
+        for match in glob.glob(glob.escape(str(directory)) + "/" + pattern):
+            path = Path(match)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def install_recipe_files(root: Path, files: Iterable[FileSpec]) -> None:
@@ -170,20 +206,39 @@ def byte_compile(root: Path, python: Path) -> None:
     tree's libraries, so the result does not depend on the host's Python.
     The .pyc files record guest paths (``-s root -p /``) and use unchecked
     hashes, so no source timestamp check can invalidate them in the guest.
+
+    The standard library is left without its sources: each module's .pyc
+    takes the place of its .py (Python imports such "sourceless" files),
+    which spares every cold boot copying 9 MB that only tracebacks read.
+    A traceback through the standard library still names the file, line
+    and function; it just cannot quote the line. Packages and the agent
+    keep their sources, in ``__pycache__`` as usual.
     """
+    library = root / "usr" / "lib" / python.name
+    _compileall(root, python, [library], sourceless=True)
+    remove_compiled_sources(library)
+    _compileall(
+        root, python, [path for path in (root / "usr/lib/python3/dist-packages", root / AGENT_DIR) if path.is_dir()]
+    )
+
+
+def remove_compiled_sources(directory: Path) -> None:
+    """Delete each X.py under ``directory`` that has an X.pyc beside it; sources that did not compile stay."""
+    for compiled in directory.rglob("*.pyc"):
+        compiled.with_suffix(".py").unlink(missing_ok=True)
+
+
+def _compileall(root: Path, python: Path, targets: list[Path], *, sourceless: bool = False) -> None:
+    if not targets:
+        return  # compileall without targets would compile its own sys.path
     loader = root / "lib" / MULTIARCH / "ld-linux-x86-64.so.2"
     if not loader.is_file():
         raise ImageError(f"the image has no dynamic loader at {loader}; keep libc6 in the image")
-    version = python.name[len("python"):]
-    targets = [
-        path
-        for path in (root / "usr/lib" / f"python{version}", root / "usr/lib/python3/dist-packages", root / AGENT_DIR)
-        if path.is_dir()
-    ]
     library_path = f"{root / 'lib' / MULTIARCH}:{root / 'usr/lib' / MULTIARCH}"
     command = [
         str(loader), "--library-path", library_path, str(python),
         "-S", "-m", "compileall", "-q", "-j0",
+        *(["-b"] if sourceless else []),  # X.pyc beside X.py instead of __pycache__/X.cpython-3N.pyc
         "-s", str(root), "-p", "/",
         "--invalidation-mode", "unchecked-hash",
         *map(str, targets),

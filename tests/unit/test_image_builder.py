@@ -169,7 +169,7 @@ def test_names_point_at_keys_and_share_images(cache: Path, tmp_path: Path, guest
     tools = builder.build_image(recipe, progress=quiet)
     assert tools.name == "tools"  # from the file name, as the recipe has no name field
     assert dict(tools.env) == {"TOOL": "yes-please"}
-    assert tools.kernel_args == ("loglevel=3",)
+    assert tools.kernel_args == load_default_recipe().kernel_args + ("loglevel=3",)
     alias = builder.build_image(recipe, name="tools2", progress=quiet)
     assert alias.path == tools.path and len(pipeline.builds) == 1
     default = builder.build_image(progress=quiet)

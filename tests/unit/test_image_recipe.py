@@ -45,7 +45,7 @@ env: {FOO: bar, RETRIES: 3}
     assert recipe.packages == default.packages + ("git",)
     assert recipe.exclude == default.exclude + ("git-man",)
     assert recipe.kernel == default.kernel
-    assert recipe.kernel_args == ("loglevel=3",)
+    assert recipe.kernel_args == default.kernel_args + ("loglevel=3",)
     assert dict(recipe.env) == {"FOO": "bar", "RETRIES": "3"}
     (spec,) = recipe.files
     assert spec.src == tmp_path / "tool.py"
@@ -61,6 +61,7 @@ def test_extends_none_starts_from_scratch(tmp_path: Path) -> None:
     recipe = load_recipe(path)
     assert recipe.packages == ("busybox-static",)
     assert recipe.exclude == ()
+    assert recipe.kernel_args == ()
     assert recipe.kernel == "linux-image-amd64"
 
 

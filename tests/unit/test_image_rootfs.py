@@ -11,7 +11,14 @@ import pytest
 from pytest_forkd.errors import ImageError
 from pytest_forkd.image.kernel import KernelParts
 from pytest_forkd.image.recipe import FileSpec
-from pytest_forkd.image.rootfs import install_modules, install_recipe_files, write_env_file
+from pytest_forkd.image.rootfs import (
+    PRUNED_PYTHON_LIBRARY,
+    install_modules,
+    install_recipe_files,
+    prune,
+    remove_compiled_sources,
+    write_env_file,
+)
 
 
 def test_recipe_file_replaces_an_applet_link_without_touching_busybox(tmp_path: Path) -> None:
@@ -50,7 +57,9 @@ def test_module_order_file_lists_modules_in_load_order(tmp_path: Path) -> None:
     for name in ("virtio_ring", "virtio", "virtio_mmio"):
         modules.append(tmp_path / f"{name}.ko")
         modules[-1].write_bytes(name.encode())
-    install_modules(root, KernelParts(release="6.1", vmlinuz=tmp_path / "vmlinuz", modules=tuple(modules)))
+    install_modules(root, KernelParts(
+            release="6.1", vmlinuz=tmp_path / "vmlinuz", boot_image=tmp_path / "vmlinuz", modules=tuple(modules)
+        ),)
     assert (root / "etc/forkd/modules").read_text() == "virtio_ring\nvirtio\nvirtio_mmio\n"
     assert (root / "lib/modules/forkd/virtio.ko").read_bytes() == b"virtio"
 
@@ -63,3 +72,54 @@ def test_env_file_survives_shell_metacharacters(tmp_path: Path) -> None:
         ["sh", "-c", '. "$1"; printf %s "$TRICKY"', "sh", str(env_file)], capture_output=True, text=True, check=True
     ).stdout
     assert shown == tricky
+
+
+def touch(root: Path, *names: str) -> None:
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(name)
+
+
+def test_prune_removes_matching_files_links_and_trees(tmp_path: Path) -> None:
+    touch(tmp_path, "usr/share/doc/a/copyright", "etc/python3.11/sitecustomize.py", "etc/keep.conf")
+    (tmp_path / "usr/lib").mkdir(parents=True)
+    # An absolute link means the guest's file; on the host it dangles.
+    (tmp_path / "usr/lib/sitecustomize.py").symlink_to("/no/such/dir/sitecustomize.py")
+
+    prune(tmp_path, ["usr/share/doc", "etc/python3*/sitecustomize.py", "usr/lib/sitecustomize.py", "no/such/path"])
+
+    assert not (tmp_path / "usr/share/doc").exists()
+    assert not (tmp_path / "etc/python3.11/sitecustomize.py").exists()
+    assert not os.path.lexists(tmp_path / "usr/lib/sitecustomize.py")
+    assert (tmp_path / "etc/keep.conf").is_file()
+
+
+def test_stdlib_pruning_keeps_what_test_suites_and_agents_use(tmp_path: Path) -> None:
+    library = tmp_path / "python3.11"
+    kept = ["unittest/__init__.py", "doctest.py", "decimal.py", "lib-dynload/_json.cpython-311-x86_64-linux-gnu.so"]
+    dropped = [
+        "test/support/__init__.py",
+        "pydoc_data/topics.py",
+        "turtle.py",
+        "_pydecimal.py",
+        "lib-dynload/_testcapi.cpython-311-x86_64-linux-gnu.so",
+        "lib-dynload/_ctypes_test.cpython-311-x86_64-linux-gnu.so",
+        "lib-dynload/xxlimited_35.cpython-311-x86_64-linux-gnu.so",
+    ]
+    touch(library, *kept, *dropped)
+
+    prune(library, PRUNED_PYTHON_LIBRARY)
+
+    assert all((library / name).is_file() for name in kept)
+    assert not any((library / name).exists() for name in dropped)
+    assert not (library / "test").exists()
+
+
+def test_compiled_sources_are_removed_and_the_others_kept(tmp_path: Path) -> None:
+    touch(tmp_path, "os.py", "os.pyc", "json/__init__.py", "json/__init__.pyc", "broken.py", "data.txt")
+
+    remove_compiled_sources(tmp_path)
+
+    assert sorted(path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*") if path.is_file()) == [
+        "broken.py", "data.txt", "json/__init__.pyc", "os.pyc",
+    ]
