@@ -243,6 +243,7 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
     left.set_xticks(sorted({r["memory_mib"] for r in result["branch"]}))
     left.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     left.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.set_ylim(bottom=0)
     left.legend(fontsize=8)
     forks = sorted(result.get("fork", []), key=lambda r: r["memory_mib"])
     if forks:
@@ -254,6 +255,7 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
         right.set_xticks([r["memory_mib"] for r in forks])
         right.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         right.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+        right.set_ylim(bottom=0)
         right.legend(fontsize=8)
     conditions = result.get("conditions", {})
     figure_.suptitle(f"pytest-forkd on {conditions.get('cpus', '?')} CPUs, QEMU {conditions.get('qemu', '?')}, "
