@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .checkpoint import Checkpoint
 from .errors import (
     AgentError,
     BackendError,
@@ -20,8 +21,6 @@ from .errors import (
     VMError,
     VMStartError,
 )
-
-from .checkpoint import Checkpoint
 from .exec_result import ExecResult
 from .factory import VMFactory, boot
 from .snapshot import Snapshot

@@ -15,9 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from .backend import registry, resolve_base
-
 from . import timings
+from .backend import registry, resolve_base
 from .engine.accel import PROBE_TIMEOUT_S, AccelVerdict, resolve_accel, validate_accel
 from .engine.host import Qemu, find_qemu
 from .engine.qemu import Machine, MachineSpec

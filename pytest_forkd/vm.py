@@ -22,9 +22,9 @@ from .exec_result import ExecResult
 from .guest.client import AgentClient, AgentTimeout, ChannelClosed
 
 if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
     from .factory import VMFactory
     from .image import Image
-    from .checkpoint import Checkpoint
     from .snapshot import Snapshot
 
 HISTORY_LENGTH = 20

@@ -32,7 +32,9 @@ from ..errors import ImageError
 from .debian import data_tar
 
 GUEST_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console")
-MODULE_PATH = re.compile(r"^lib/modules/(?P<release>[^/]+)/kernel/drivers/.+/(?P<module>[^/]+?)(?P<suffix>\.ko(\.xz)?)$")
+MODULE_PATH = re.compile(
+    r"^lib/modules/(?P<release>[^/]+)/kernel/drivers/.+/(?P<module>[^/]+?)(?P<suffix>\.ko(\.xz)?)$"
+)
 
 
 @dataclass(frozen=True)

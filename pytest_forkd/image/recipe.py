@@ -273,7 +273,9 @@ def _parse_env(fields: _Fields, value: Any) -> dict[str, str]:
     env: dict[str, str] = {}
     for key, item in value.items():
         if not isinstance(key, str) or not ENV_NAME.match(key):
-            raise fields.error(f"env.{key}", "expected a variable name made of A-Z a-z 0-9 _ (not starting with a digit)")
+            raise fields.error(
+                f"env.{key}", "expected a variable name made of A-Z a-z 0-9 _ (not starting with a digit)"
+            )
         if isinstance(item, bool) or not isinstance(item, (str, int, float)):
             raise fields.error(f"env.{key}", f"expected a string, got {type(item).__name__} {item!r}")
         env[key] = str(item)

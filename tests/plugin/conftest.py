@@ -14,7 +14,6 @@ from support import processes_mentioning
 
 from pytest_forkd import paths
 
-
 #: The real user cache, read before pytester points HOME at a temporary directory: the inner
 #: runs reuse the default guest image and the accelerator verdict instead of rebuilding them.
 USER_CACHE = paths.cache_dir()

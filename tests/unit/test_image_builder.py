@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from pytest_forkd.commands import image_cmd
 from pytest_forkd.errors import ConfigError, ImageError, UnknownImage
 from pytest_forkd.image import builder, catalog, list_images, load_image
 from pytest_forkd.image.recipe import load_default_recipe, load_recipe
-from pytest_forkd.commands import image_cmd
 
 
 @pytest.fixture
