@@ -15,10 +15,16 @@ command -v qemu-system-x86_64 >/dev/null || need_pkgs+=(qemu-system-x86)
 command -v dpkg-deb >/dev/null || need_pkgs+=(dpkg)
 command -v git >/dev/null || need_pkgs+=(git)
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || need_pkgs+=(python3-venv)
-# The guest image is assembled from Debian packages: apt needs package lists.
-if ! apt-cache show busybox-static >/dev/null 2>&1 || [ ${#need_pkgs[@]} -gt 0 ]; then
+# The guest image is assembled from Debian packages: apt needs current package
+# lists (stale ones name versions the mirror no longer has). Refresh them on a
+# first set-up, when packages are missing, or when they are older than a week;
+# otherwise set-up stays offline.
+apt_stamp="$VENV/.forkd-apt-updated"
+if [ ${#need_pkgs[@]} -gt 0 ] || ! apt-cache show busybox-static >/dev/null 2>&1 \
+   || [ -z "$(find "$apt_stamp" -mtime -7 2>/dev/null)" ]; then
   echo "setup: apt-get update" >&2
   $SUDO apt-get update -qq
+  mkdir -p "$VENV" && touch "$apt_stamp"
 fi
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   echo "setup: installing ${need_pkgs[*]}" >&2
