@@ -223,7 +223,7 @@ class Machine:
             how = "the guest stopped answering"
         stderr = tail_of(self.stderr_path, 5)
         detail = f"; QEMU said: {stderr}" if stderr else ""
-        return GuestCrashed(f"VM {self.name}: {what}: {how}{detail}", tail_of(self.console_path, CONSOLE_TAIL_LINES))
+        return GuestCrashed(f"VM {self.name}: {what}: {how}{detail}", crash_tail(self.console_path))
 
     def kill(self, *, remove_files: bool = True) -> None:
         """Kill QEMU and remove its sockets, logs and (when owned) its RAM file. Idempotent."""
@@ -254,6 +254,23 @@ def tail_of(path: Path, lines: int) -> str:
         return ""
     text = data.decode("utf-8", "replace").replace("\r", "")
     return "\n".join(text.splitlines()[-lines:])
+
+
+CRASH_MARKERS = ("Kernel panic", "Oops:", "BUG:", "reboot: Power down", "reboot: Restarting")
+
+
+def crash_tail(path: Path, lines: int = CONSOLE_TAIL_LINES, limit: int = 150) -> str:
+    """The console's last ``lines``, extended back to the start of a panic or oops report.
+
+    A kernel panic prints its reason first and a long register dump and call
+    trace after it; a fixed tail would show the trace and cut the reason.
+    """
+    text = tail_of(path, limit)
+    candidates = text.splitlines()
+    for index, line in enumerate(candidates):
+        if any(marker in line for marker in CRASH_MARKERS):
+            return "\n".join(candidates[index:])
+    return "\n".join(candidates[-lines:])
 
 
 def _kill(process: subprocess.Popen) -> None:

@@ -9,6 +9,7 @@ removes it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -87,23 +88,35 @@ class RunDir:
 
     def __init__(self, root: Path | None = None) -> None:
         root = root or shm_root()
-        root.mkdir(parents=True, exist_ok=True)
-        clean_stale(root)
         name = f"run-{os.getpid()}-{secrets.token_hex(3)}"
         # Appear with the owner file already inside: another process's
         # clean_stale() must never see this directory without its owner.
         pending = root / f".{name}"
-        pending.mkdir()
+        for _ in range(10):
+            root.mkdir(parents=True, exist_ok=True)
+            try:
+                pending.mkdir()
+                break
+            except FileNotFoundError:  # the last run of another process removed the empty root
+                continue
+        else:
+            raise OSError(f"cannot create a run directory under {root}")
+        clean_stale(root)
         owner = {"pid": os.getpid(), "start_time": _process_start_time(os.getpid())}
         (pending / OWNER_FILE).write_text(json.dumps(owner))
         self.path = root / name
         os.rename(pending, self.path)
-        self._counter = 0
+        self._counter = itertools.count(1)
 
     def new_name(self, prefix: str = "vm") -> str:
-        self._counter += 1
-        return f"{prefix}{self._counter}"
+        """A name for a new VM's files, unique in this run (safe from several threads)."""
+        return f"{prefix}{next(self._counter)}"
 
     def close(self) -> None:
+        """Kill what still uses the directory and remove it (and the root, once no run is left)."""
         _kill_processes_referencing(self.path)
         shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self.path.parent.rmdir()
+        except OSError:  # other runs (or their stale directories) are still there
+            pass

@@ -157,3 +157,17 @@ def test_tail_of_keeps_the_last_lines(tmp_path: Path) -> None:
 
     assert tail_of(log, 3) == "line 97\nline 98\nline 99"
     assert tail_of(tmp_path / "missing", 3) == ""
+
+
+def test_crash_tail_keeps_the_panic_reason_above_a_long_trace(tmp_path: Path) -> None:
+    from pytest_forkd.engine.qemu import crash_tail
+
+    console = tmp_path / "vm.console"
+    trace = [f"[    1.{i:06d}]  trace line {i}" for i in range(80)]
+    console.write_text("\n".join(["boot noise"] * 30 + ["Kernel panic - not syncing: sysrq triggered crash"] + trace))
+    tail = crash_tail(console)
+    assert tail.splitlines()[0] == "Kernel panic - not syncing: sysrq triggered crash"
+    assert tail.splitlines()[-1].endswith("trace line 79")
+
+    console.write_text("\n".join(f"line {i}" for i in range(100)))
+    assert crash_tail(console, lines=5).splitlines() == [f"line {i}" for i in range(95, 100)]
