@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from pathlib import Path
 
@@ -31,6 +32,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     listing = actions.add_parser("ls", help="list built images", description="List built guest images.")
     listing.set_defaults(run=run_ls)
+
+    prune = actions.add_parser(
+        "prune", help="remove images that no name and no stored snapshot uses",
+        description="Remove superseded images: those no image name points to and no snapshot in the "
+        "snapshot store was taken with.")
+    prune.add_argument("--store", type=Path, metavar="DIR", help="snapshot store to respect (default: the user cache)")
+    prune.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    prune.set_defaults(run=run_prune)
 
 
 def _mib(size: int) -> str:
@@ -65,3 +74,22 @@ def run_ls(args: argparse.Namespace) -> int:
 
 def _row(image: Image) -> tuple[str, str, str, str]:
     return (image.name, image.key[:12], _mib(image.initrd.stat().st_size), image.manifest["created"])
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    from ..image.catalog import unused_image_directories
+    from ..store import SnapshotStore
+
+    store = SnapshotStore(args.store) if args.store else SnapshotStore.persistent()
+    in_use = {snapshot.fingerprint.get("image", "") for snapshot in store.list()}
+    unused = unused_image_directories(keep=in_use)
+    freed = 0
+    for directory in unused:
+        size = sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
+        freed += size
+        print(f"{'would remove' if args.dry_run else 'removed'} {directory.name}  {_mib(size)}")
+        if not args.dry_run:
+            shutil.rmtree(directory)
+    print(f"{len(unused)} unused image(s), {_mib(freed)}" + (" (dry run)" if args.dry_run else " freed"))
+    return 0
+

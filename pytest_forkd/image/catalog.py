@@ -141,3 +141,20 @@ def list_images() -> list[Image]:
         if key is not None and is_published(key):
             images.append(image_at(name, image_directory(key)))
     return images
+
+
+def unused_image_directories(keep: set[str]) -> list[Path]:
+    """Published image directories that no name points to and whose key is not in ``keep``.
+
+    Every change to a recipe or to the agent builds a new image (~90 MB); the
+    old ones stay until pruned. ``keep`` holds the keys snapshots still use.
+    """
+    root = paths.images_dir()
+    if not root.is_dir():
+        return []
+    named = {key_of(name) for name in image_names()}
+    return sorted(
+        entry for entry in root.iterdir()
+        if entry.is_dir() and entry.name != NAMES_DIR and not entry.name.startswith(".")
+        and entry.name not in named and entry.name not in keep and (entry / MANIFEST_FILE).is_file()
+    )
