@@ -19,19 +19,10 @@ pytest_plugins = ["pytester"]
 
 
 def _leaked_vms() -> list[str]:
-    own_runs = [str(path) for path in shm_root().glob(f"run-{os.getpid()}-*")]
-    leaked = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(os.path.join(entry.path, "cmdline"), "rb") as handle:
-                cmdline = handle.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "qemu-system" in cmdline and any(run in cmdline for run in own_runs):
-            leaked.append(f"pid {entry.name}: {cmdline.replace(chr(0), ' ')[:160]}")
-    return leaked
+    from support import processes_mentioning  # tests/ is on the path (pythonpath in pyproject.toml)
+
+    own_runs = shm_root().glob(f"run-{os.getpid()}-*")
+    return [line for run in own_runs for line in processes_mentioning(run) if "qemu-system" in line]
 
 
 @pytest.hookimpl(trylast=True)

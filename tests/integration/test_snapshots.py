@@ -220,11 +220,15 @@ def test_forks_requested_from_several_threads_at_once_all_succeed(base_snapshot:
     assert all(child.read_file("/root/marker") == b"from-base\n" for child in children)
 
 
-def test_branch_of_a_busy_vm_keeps_the_command_effects_as_of_the_pause(vm: VM, owned: Owned) -> None:
-    vm.exec("sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/counter; done' >/dev/null 2>&1 &", check=True)
+BUSY_LOOP = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/counter; done' >/dev/null 2>&1 &"
+
+
+@pytest.mark.parametrize("backend", ["full", "diff", "uffd"])
+def test_branch_of_a_busy_vm_keeps_the_command_effects_as_of_the_pause(vm: VM, owned: Owned, backend: str) -> None:
+    vm.exec(BUSY_LOOP, check=True)
     before_branch = read_counter(vm)
 
-    child = owned(vm.fork(1))[0]
+    child = owned(vm.fork(1, backend=backend))[0]
     in_child = read_counter(child)
     in_source = read_counter(vm)
 
@@ -232,6 +236,16 @@ def test_branch_of_a_busy_vm_keeps_the_command_effects_as_of_the_pause(vm: VM, o
     poll = Retrying(stop=stop_after_delay(10), wait=wait_fixed(0.05),
                     retry=retry_if_result(lambda value: value <= in_child))
     assert poll(read_counter, child) > in_child  # the loop goes on in the child
+
+
+def test_live_branches_of_a_busy_guest_give_healthy_children(vm: VM, owned: Owned) -> None:
+    """The memory image of a uffd branch and its device state describe the same instant, also
+    while the guest keeps writing: every child runs a fresh Python process."""
+    vm.exec(BUSY_LOOP, check=True)
+    for _ in range(5):
+        child = owned(vm.fork(1, backend="uffd"))[0]
+        assert child.exec("python3 -c 'print(6*7)'", timeout=60).stdout == "42\n"
+        child.close()
 
 
 def test_failed_branch_propagates_and_resumes_its_source(vm: VM, external_backends: None) -> None:
