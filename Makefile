@@ -1,9 +1,13 @@
-# The two commands in README.md: `make example` and `make test`.
+# The commands in README.md: `make example`, `make example-port` and `make test`; `make lint` is what CI adds.
 # Both run the idempotent set-up first (system packages, virtualenv, guest image).
 VENV ?= .venv
 PYTEST_ARGS ?=
+# What `make test` runs: the whole suite unless a part is named (TESTS="tests/unit tests/plugin"),
+# in TEST_WORKERS pytest-xdist workers (0 runs it in one process).
+TESTS ?= tests
+TEST_WORKERS ?= 2
 
-.PHONY: setup example test bench clean-cache
+.PHONY: setup example example-port test lint bench clean-cache
 
 setup:
 	@scripts/setup.sh
@@ -11,8 +15,20 @@ setup:
 example: setup
 	cd examples && ../$(VENV)/bin/pytest --forkd-snapshot=base $(PYTEST_ARGS)
 
+# A real project's test suite (toolz, from its sdist) ported into forked VMs: examples/port_project.
+example-port: setup
+	cd examples/port_project && ../../$(VENV)/bin/pytest $(PYTEST_ARGS)
+
 test: setup
-	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(TESTS) -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# Lint, format check and strict type check, each reported; fails if any of them fails.
+lint: setup
+	@status=0; \
+	echo "lint: ruff check"; $(VENV)/bin/ruff check . || status=1; \
+	echo "lint: ruff format --check"; $(VENV)/bin/ruff format --check . || status=1; \
+	echo "lint: mypy --strict"; $(VENV)/bin/mypy --strict || status=1; \
+	exit $$status
 
 bench: setup
 	$(VENV)/bin/forkd bench

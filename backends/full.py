@@ -12,27 +12,35 @@ import os
 import time
 from pathlib import Path
 
-from pytest_forkd.backend import MEMORY_FILE, STATE_FILE, Capture, CaptureSource, StorageBackend, hookimpl
 from pytest_forkd.engine import memory
+from pytest_forkd.storage.backend import (
+    MEMORY_FILE,
+    STATE_FILE,
+    BackendRegistry,
+    Capture,
+    CaptureSource,
+    StorageBackend,
+    hookimpl,
+)
 
 
 def capture_flat(source: CaptureSource, target: Path, *, precopied: bool = False) -> tuple[int, int]:
     """Copy a *stopped* VM's memory into ``target/memory.ram``; returns (bytes written, dirty bytes).
 
     The VM's RAM file holds its memory, except for the pages a copy-on-write
-    child changed: those are private pages of its mapping, copied over the
-    file copy from /proc/PID/mem. With ``precopied`` the file copy was made
+    child changed: those are private pages of its mapping (in the VMM process
+    the engine's memory layout names), copied over the file copy from
+    /proc/PID/mem. With ``precopied`` the file copy was made
     before the pause (possible when the RAM file is an immutable snapshot).
     """
-    machine = source.machine
+    layout = source.machine.memory_layout()
     destination = target / MEMORY_FILE
-    written = 0 if precopied else memory.copy_sparse(machine.ram_path, destination)
-    start, length = machine.ram_mapping()
-    ranges = memory.private_pages(machine.pid, start, length)
+    written = 0 if precopied else memory.copy_sparse(layout.path, destination)
+    ranges = memory.private_pages(layout.pid, layout.start, layout.length)
     if ranges:
         fd = os.open(destination, os.O_WRONLY)
         try:
-            dirty = memory.copy_out(machine.pid, start, ranges, fd)
+            dirty = memory.copy_out(layout.pid, layout.start, ranges, fd)
         finally:
             os.close(fd)
     else:
@@ -58,10 +66,15 @@ class FullBackend(StorageBackend):
         finally:
             machine.resume()
         pause_ms = (time.perf_counter() - started) * 1000
-        return Capture(pause_ms=pause_ms, bytes_written=written + copied, memory_file=MEMORY_FILE,
-                       dirty_bytes=dirty, extra={"precopied_base": precopied})
+        return Capture(
+            pause_ms=pause_ms,
+            bytes_written=written + copied,
+            memory_file=MEMORY_FILE,
+            dirty_bytes=dirty,
+            extra={"precopied_base": precopied},
+        )
 
 
 @hookimpl
-def forkd_register_backends(registry) -> None:
+def forkd_register_backends(registry: BackendRegistry) -> None:
     registry.add(FullBackend())

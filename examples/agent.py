@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pytest_forkd.exec_result import ExecResult
-    from pytest_forkd.vm import VM
+    from pytest_forkd.core.vm import VM
+    from pytest_forkd.guest.exec_result import ExecResult
 
 #: Configuration files the agent knows how to install (``install config NAME``).
 CONFIG_TEMPLATES = {

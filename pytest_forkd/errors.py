@@ -15,8 +15,30 @@ class ConfigError(ForkdError):
     """A recipe, forkd.yaml or option is malformed; the message names the field path."""
 
 
-class InvalidTagError(ConfigError):
+class IncomparableRuns(ConfigError):
+    """Two benchmark runs differ in machine, accelerator, backend or QEMU version, and the comparison is strict."""
+
+
+class InvalidArgument(ConfigError, ValueError):
+    """An argument of a public call is out of range or malformed (memory, vCPUs, timeout, guest path...).
+
+    Also a :class:`ValueError`, so code written against the standard exception still catches it.
+    Raised before any QEMU process starts.
+    """
+
+
+class InvalidTagError(InvalidArgument):
     """A snapshot or image name does not match ``^[A-Za-z0-9_-]{1,64}$``."""
+
+
+class WaitTimeout(ForkdError, TimeoutError):
+    """Something forkd waited for (:func:`pytest_forkd.waiting.poll_until`) did not happen before the deadline.
+
+    Also a :class:`TimeoutError`. ``last_error`` is the exception the last
+    attempt raised, when the wait retried on errors.
+    """
+
+    last_error: BaseException | None = None
 
 
 class HostNotReady(ForkdError):
@@ -49,8 +71,47 @@ class GuestCrashed(VMError):
         super().__init__(message)
 
 
+class NetworkError(VMError):
+    """A guest network request cannot be met: the VM has no network, nothing listens on a port, no free port."""
+
+
 class AgentError(VMError):
     """The guest agent answered with an error (bad path, protocol mismatch...)."""
+
+
+class CopyError(ForkdError):
+    """A file or tree could not be copied into or out of a guest.
+
+    A path that does not exist, a file where a directory is expected (or the
+    reverse), no space left in the guest, a guest that stopped sending.
+    ``path`` names the path at fault (on the host or in the guest, as the
+    message says) and ``errno`` the OS error number when there was one
+    (compare with the :mod:`errno` constants). The VM stays usable.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+
+class UnsafeArchive(CopyError):
+    """The guest sent an archive that must not be unpacked on the host, and nothing more of it was.
+
+    An absolute member name or one with ``..``, a member below a symbolic
+    link, a hard link, a device file, more data or members than the copy
+    allows: ``path`` is the member's name as the guest sent it.
+    """
+
+
+class GuestProtocolError(VMError):
+    """The guest broke the agent protocol (malformed or oversized frames, replies nobody asked for).
+
+    Raised to the calls of a channel that was cut off because its guest kept
+    misbehaving past a budget, or whose reply reader stopped; the message
+    says what the guest sent. A guest whose agent was replaced or damaged by
+    the commands it ran shows up like this: start a fresh VM.
+    """
 
 
 class ExecError(ForkdError):
@@ -76,9 +137,57 @@ class UnknownSnapshot(SnapshotError):
     """No snapshot with that tag exists in the store."""
 
 
+class DamagedSnapshot(SnapshotError):
+    """A stored snapshot's files do not match their record (missing, truncated, changed).
+
+    ``tag`` names the snapshot and ``problems`` lists what is wrong, one sentence per file.
+    """
+
+    def __init__(self, message: str, *, tag: str = "", problems: list[str] | None = None) -> None:
+        self.tag = tag
+        self.problems = list(problems or [])
+        super().__init__(message)
+
+
 class IncompatibleSnapshot(SnapshotError):
     """A snapshot was taken with another engine or image than the current one."""
 
 
+class ArchiveError(SnapshotError):
+    """A snapshot archive is corrupt, truncated, of a newer format, or cannot be written or read."""
+
+
 class BackendError(ForkdError):
     """A storage backend is unknown or unavailable on this host."""
+
+
+class WrongEventLoop(ForkdError):
+    """An asyncio handle (AsyncVM...) was used outside the event loop it belongs to."""
+
+
+class ChangesError(ForkdError):
+    """Filesystem changes cannot be computed: a point from another VM lineage, a filter matching nothing."""
+
+
+class TranscriptError(ForkdError):
+    """A transcript file is unreadable, from another format version, or lacks what is asked of it."""
+
+
+class BisectError(ForkdError):
+    """A bisection cannot proceed: the predicate raised, or a step could not be replayed."""
+
+
+class ProcessError(AgentError):
+    """A spawned guest process cannot be reached: it ended and its result was taken, its stdin is closed..."""
+
+
+class CommandNotFound(ProcessError):
+    """The program of a command to spawn does not exist in the guest (the message names it)."""
+
+
+class NoSuchProcess(ProcessError):
+    """No process with that pid was spawned in this guest (or it ended and its result was taken)."""
+
+
+class ProcessTimeout(ExecTimeout, TimeoutError):
+    """``GuestProcess.wait(timeout)`` ran out; unlike an exec timeout, the process keeps running."""

@@ -12,17 +12,28 @@ import os
 import re
 from pathlib import Path
 
-TAG_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: The project file a test suite declares its snapshots, settings and budgets in.
+PROJECT_FILE = "forkd.yaml"
+#: The built-in snapshot every run starts from unless told otherwise: the default image, booted.
+BASE_SNAPSHOT = "base"
+
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # use with fullmatch: "$" also matches before a final newline
 
 
-def validate_tag(tag: str, what: str = "snapshot name") -> str:
+def validate_tag(tag: object, what: str = "snapshot name") -> str:
     """Return ``tag`` if it is a valid snapshot/image name, else raise InvalidTagError."""
     from .errors import InvalidTagError
 
-    if not isinstance(tag, str) or not TAG_PATTERN.match(tag):
-        raise InvalidTagError(
-            f"invalid {what} {tag!r}: use 1-64 characters from A-Z a-z 0-9 _ -"
-        )
+    if not isinstance(tag, str) or not TAG_PATTERN.fullmatch(tag):
+        if not isinstance(tag, str):
+            problem = f"it is a {type(tag).__name__}, not a str"
+        elif not tag:
+            problem = "it is empty"
+        elif len(tag) > 64:
+            problem = f"it is {len(tag)} characters long"
+        else:
+            problem = "it contains " + ", ".join(sorted({repr(c) for c in tag if not re.match(r"[A-Za-z0-9_-]", c)}))
+        raise InvalidTagError(f"invalid {what} {tag!r} ({problem}): use 1-64 characters from A-Z a-z 0-9 _ -")
     return tag
 
 
@@ -55,5 +66,9 @@ def snapshots_dir() -> Path:
 
 
 def shm_root() -> Path:
-    """Parent of all run directories: ``$FORKD_SHM_DIR`` or ``/dev/shm/pytest-forkd``."""
-    return Path(os.environ.get("FORKD_SHM_DIR") or "/dev/shm/pytest-forkd")
+    """Parent of this user's run directories: ``$FORKD_SHM_DIR`` or ``/dev/shm/pytest-forkd-<uid>``.
+
+    One root per user (mode 0700): users on one host never share a directory,
+    so a root that another user created first cannot get in anyone's way.
+    """
+    return Path(os.environ.get("FORKD_SHM_DIR") or f"/dev/shm/pytest-forkd-{os.getuid()}")

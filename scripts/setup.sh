@@ -2,38 +2,59 @@
 # Idempotent set-up on a fresh Debian/Ubuntu machine: system packages, a
 # virtualenv with pytest-forkd installed, and the default guest image.
 # A second run is fast and needs no network.
+#
+# Works as a normal user: root (through sudo) is asked for only when system
+# packages are missing; everything else lives in the checkout and in the
+# user's own cache (~/.cache/pytest-forkd) and runtime directory
+# (/dev/shm/pytest-forkd-<uid>).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# --system-only: install the missing system packages and stop (for an administrator
+# preparing a host where normal users then run `make example` / `make test`).
+SYSTEM_ONLY=0
+if [ "${1:-}" = --system-only ]; then SYSTEM_ONLY=1; fi
+
 VENV=${FORKD_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-SUDO=""
-if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+IS_ROOT=0
+if [ "$(id -u)" = 0 ]; then IS_ROOT=1; fi
+
+# Run an apt command as root: directly, through sudo, or fail saying what to run.
+as_root() {
+  if [ "$IS_ROOT" = 1 ]; then "$@"; return; fi
+  # sudo without a password, or with a terminal to ask for one
+  if command -v sudo >/dev/null && { sudo -n true 2>/dev/null || [ -t 0 ]; }; then
+    sudo "$@"; return
+  fi
+  echo "setup: needs root for: $*" >&2
+  echo "setup: run that as root (or give $(id -un) sudo), then run this again" >&2
+  exit 1
+}
 
 need_pkgs=()
 command -v qemu-system-x86_64 >/dev/null || need_pkgs+=(qemu-system-x86)
-command -v dpkg-deb >/dev/null || need_pkgs+=(dpkg)
 command -v git >/dev/null || need_pkgs+=(git)
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || need_pkgs+=(python3-venv)
-# The guest image is assembled from Debian packages: apt needs current package
-# lists (stale ones name versions the mirror no longer has). Refresh them on a
-# first set-up, when packages are missing, or when they are older than a week;
-# otherwise set-up stays offline.
-apt_stamp="$VENV/.forkd-apt-updated"
-if [ ${#need_pkgs[@]} -gt 0 ] || ! apt-cache show busybox-static >/dev/null 2>&1 \
-   || [ -z "$(find "$apt_stamp" -mtime -7 2>/dev/null)" ]; then
-  echo "setup: apt-get update" >&2
-  $SUDO apt-get update -qq
-  mkdir -p "$VENV" && touch "$apt_stamp"
-fi
+# The guest image builder reads a pinned Debian release from a mirror itself
+# (no apt lists needed) and checks its signature with gpgv (or sqv, apt's own
+# verifier on Debian 13) and Debian's keyring.
+command -v gpgv >/dev/null || command -v sqv >/dev/null || need_pkgs+=(gpgv)
+[ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || [ -n "${FORKD_DEBIAN_KEYRING:-}" ] \
+  || need_pkgs+=(debian-archive-keyring)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
+  echo "setup: apt-get update" >&2
+  as_root apt-get update -qq
   echo "setup: installing ${need_pkgs[*]}" >&2
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
+if [ "$SYSTEM_ONLY" = 1 ]; then echo "setup: system packages are installed" >&2; exit 0; fi
+
+# A virtualenv whose creation was interrupted has python but no pip: make it again.
+if [ ! -x "$VENV/bin/python" ] || [ ! -x "$VENV/bin/pip" ]; then
   echo "setup: creating $VENV" >&2
-  "$PYTHON" -m venv "$VENV"
+  "$PYTHON" -m venv --clear "$VENV"
 fi
 stamp="$VENV/.forkd-installed"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)

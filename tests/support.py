@@ -5,23 +5,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from pytest_forkd import processes
+from pytest_forkd.errors import WaitTimeout
+from pytest_forkd.waiting import poll_until
 
 
 def is_running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie waiting to be reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return processes.is_alive(pid)
 
 
 def wait_until_dead(pid: int, seconds: float = 5.0) -> bool:
     """Poll until ``pid`` is gone; False if it still runs after ``seconds``."""
-    poll = Retrying(stop=stop_after_delay(seconds), wait=wait_fixed(0.02), retry=retry_if_result(bool),
-                    retry_error_callback=lambda state: state.outcome.result())
-    return not poll(is_running, pid)
+    try:
+        poll_until(lambda: not is_running(pid), timeout=seconds, interval=0.02, what=f"process {pid} to exit")
+    except WaitTimeout:
+        return False
+    return True
 
 
 def processes_mentioning(path: Path | str) -> list[str]:

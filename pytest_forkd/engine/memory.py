@@ -10,10 +10,13 @@ keeps untouched guest memory as holes, so copies follow SEEK_DATA/SEEK_HOLE.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 from pathlib import Path
 from typing import Iterator
+
+from ..errors import BackendError, ForkdError, HostNotReady, VMError
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
@@ -25,9 +28,23 @@ _CHUNK = 1 << 20  # one reusable buffer that stays in cache: fastest here
 
 
 class _ScanArg(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
-        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "size",
+            "flags",
+            "start",
+            "end",
+            "walk_end",
+            "vec",
+            "vec_len",
+            "max_pages",
+            "category_inverted",
+            "category_mask",
+            "category_anyof_mask",
+            "return_mask",
+        )
+    ]
 
 
 class _Region(ctypes.Structure):
@@ -51,7 +68,7 @@ def private_pages(pid: int, start: int, length: int) -> list[tuple[int, int]]:
     arg.return_mask = PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE
     end = start + length
     ranges: list[tuple[int, int]] = []
-    with open(f"/proc/{pid}/pagemap", "rb") as pagemap:
+    with os.fdopen(open_process_file(pid, "pagemap", os.O_RDONLY), "rb") as pagemap:
         cursor = start
         while cursor < end:
             arg.start, arg.end = cursor, end
@@ -77,8 +94,9 @@ def _chunks(ranges: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
             done += step
 
 
-def _transfer(source: int, source_base: int, destination: int, destination_base: int,
-              ranges: list[tuple[int, int]]) -> int:
+def _transfer(
+    source: int, source_base: int, destination: int, destination_base: int, ranges: list[tuple[int, int]]
+) -> int:
     """Copy ``ranges`` (offsets into guest memory) between two file descriptors through one buffer."""
     total = 0
     view = memoryview(bytearray(_CHUNK))
@@ -91,20 +109,60 @@ def _transfer(source: int, source_base: int, destination: int, destination_base:
 
 def copy_out(pid: int, start: int, ranges: list[tuple[int, int]], destination: int) -> int:
     """Copy guest ``ranges`` from the VMM's memory into file ``destination`` at the same offsets."""
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    fd = open_process_file(pid, "mem", os.O_RDONLY)
     try:
         return _transfer(fd, start, destination, 0, ranges)
+    except OSError as exc:
+        raise memory_error(exc, pid, "copying guest memory out of") from exc
     finally:
         os.close(fd)
 
 
 def copy_in(pid: int, start: int, source: int, ranges: list[tuple[int, int]]) -> int:
     """Write ``ranges`` of file ``source`` into the VMM's memory at ``start`` + offset."""
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+    fd = open_process_file(pid, "mem", os.O_RDWR)
     try:
         return _transfer(source, 0, fd, start, ranges)
+    except OSError as exc:
+        raise memory_error(exc, pid, "writing guest memory into") from exc
     finally:
         os.close(fd)
+
+
+def open_process_file(pid: int, name: str, flags: int) -> int:
+    """Open ``/proc/PID/NAME`` of a QEMU process; a refusal or a dead process becomes a ForkdError."""
+    try:
+        return os.open(f"/proc/{pid}/{name}", flags | os.O_CLOEXEC)
+    except OSError as exc:
+        raise memory_error(exc, pid, f"opening /proc/{pid}/{name} of") from exc
+
+
+def memory_error(exc: OSError, pid: int, what: str) -> ForkdError:
+    """The ForkdError for an OSError met while reaching a QEMU process's memory, with the fix."""
+    if exc.errno in (errno.EPERM, errno.EACCES):
+        try:
+            scope = Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+        except OSError:
+            scope = None
+        return BackendError(
+            f"{what} QEMU process {pid} was refused ({exc.strerror}): the kernel lets a process read another's "
+            "memory only when it may ptrace it"
+            + (f", and kernel.yama.ptrace_scope is {scope}" if scope is not None else "")
+            + ". Run the VMs as the same user as this process, set `sudo sysctl kernel.yama.ptrace_scope=1`"
+            " (QEMU is our child process), or grant CAP_SYS_PTRACE"
+        )
+    if exc.errno in (errno.ENOENT, errno.ESRCH, errno.EIO) and not Path(f"/proc/{pid}").exists():
+        return VMError(
+            f"{what} QEMU process {pid} failed: the process is gone (the VM died); "
+            "see its console log in the error that closed it"
+        )
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return HostNotReady(
+            f"{what} QEMU process {pid} failed: {exc.strerror}; free space on the filesystem "
+            "holding the snapshot store (or /dev/shm), or remove old snapshots with "
+            "`forkd snapshots rm`"
+        )
+    return VMError(f"{what} QEMU process {pid} failed: {exc.strerror or exc}")
 
 
 def data_extents(fd: int) -> list[tuple[int, int]]:
@@ -146,7 +204,8 @@ def copy_sparse(source: Path, destination: Path) -> int:
     """Copy ``source`` to a new file ``destination`` keeping holes; returns bytes copied."""
     src = os.open(source, os.O_RDONLY)
     try:
-        dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # 0600 from the start: the copy holds guest memory (see pytest_forkd.private).
+        dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(dst, os.fstat(src).st_size)
             return copy_extents(src, dst, data_extents(src))
@@ -154,3 +213,40 @@ def copy_sparse(source: Path, destination: Path) -> int:
             os.close(dst)
     finally:
         os.close(src)
+
+
+def pagemap_scan_problem() -> str | None:
+    """Why the PAGEMAP_SCAN ioctl (Linux 6.7+) is unavailable, or None when it works."""
+    args = (ctypes.c_uint64 * 12)()
+    buf = (ctypes.c_uint64 * 3)()
+    page = ctypes.create_string_buffer(4096)
+    start = ctypes.addressof(page) & ~4095
+    args[0] = ctypes.sizeof(args)
+    args[2], args[3] = start, start + 4096
+    args[5], args[6] = ctypes.addressof(buf), 1
+    args[9] = args[11] = 1 << 3  # PAGE_IS_PRESENT
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            fcntl.ioctl(pagemap.fileno(), PAGEMAP_SCAN, args, True)
+    except OSError as exc:
+        return f"PAGEMAP_SCAN ioctl unavailable ({exc.strerror}); it needs Linux 6.7 or newer"
+    return None
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """Type of the filesystem holding ``path`` (``tmpfs``, ``ext4``...), from /proc/self/mounts."""
+    target = os.path.realpath(path)
+    best, best_type = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = fields[1].replace("\\040", " ")
+                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, fields[2]
+    except OSError:
+        pass
+    return best_type

@@ -1,10 +1,17 @@
 """The run directory: everything one process's VMs create, in one place.
 
 RAM files, sockets and console logs of every VM started by a process live in
-``/dev/shm/pytest-forkd/run-<pid>-<token>/``. Removing that directory removes
-every byte a run left behind, and a directory whose owner process is gone is
-recognisably stale: the next run kills whatever QEMU still references it and
-removes it.
+``/dev/shm/pytest-forkd-<uid>/run-<pid>-<token>/``. Removing that directory
+removes every byte a run left behind, and a directory whose owner process is
+gone is recognisably stale: the next run kills whatever QEMU still references
+it and removes it.
+
+Guest RAM holds whatever secrets tests put into a VM, so everything here is
+private to its user: one root per user (mode 0700, checked to be a real
+directory owned by this user, since /dev/shm is writable by everyone), run
+directories 0700, and files created 0600 from the start (``os.open`` modes,
+a 177 umask for QEMU, ``fchmod`` of a socket before it is bound). Two users
+on one host never share a directory.
 """
 
 from __future__ import annotations
@@ -15,21 +22,104 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import stat
 import time
 from pathlib import Path
 
+from .. import processes
+from ..errors import HostNotReady, WaitTimeout
 from ..paths import shm_root
+from ..waiting import poll_until
 
 OWNER_FILE = "owner.json"
+#: Mode of the per-user root and of every run directory.
+DIRECTORY_MODE = 0o700
+#: Mode of every file in a run directory (RAM files, sockets, console logs).
+FILE_MODE = 0o600
+MAX_SOCKET_PATH = 107
+"""Bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)."""
+#: umask for processes (QEMU) that create files and sockets in a run directory: 0666 and 0777 become 0600.
+PRIVATE_UMASK = 0o177
 
 
-def _process_start_time(pid: int) -> str | None:
-    """Kernel start time of ``pid`` (field 22 of /proc/PID/stat), to detect PID reuse."""
+def write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) with mode 0600 and write ``data``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def private_open(path: Path) -> int:
+    """A descriptor of ``path`` created (or truncated) for writing with mode 0600."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+
+
+def private_listener(path: Path, backlog: int = 1) -> socket.socket:
+    """A Unix socket listening at ``path``, created with mode 0600.
+
+    ``bind`` creates the socket file with the mode of the socket's inode minus
+    the umask; setting that mode first (``fchmod`` before ``bind``) makes the
+    file private from the moment it exists, without touching the process umask.
+    """
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise HostNotReady(
+            f"the socket path {path} is {len(os.fsencode(path))} bytes, more than the {MAX_SOCKET_PATH} a Unix "
+            "socket allows: set FORKD_SHM_DIR to a shorter directory"
+        )
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.fchmod(listener.fileno(), FILE_MODE)
+        listener.bind(str(path))
+        listener.listen(backlog)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return f"uid {os.getuid()}"
+
+
+def ensure_private_root(root: Path) -> Path:
+    """Create ``root`` with mode 0700, or check that the existing one is this user's own directory.
+
+    /dev/shm is writable by every user: a name there may already be taken by
+    another user's directory or by a symbolic link. Either is refused with a
+    HostNotReady naming the fix, never followed.
+    """
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(root, DIRECTORY_MODE)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise HostNotReady(
+            f"cannot create the runtime directory {root}: {exc.strerror}; "
+            "set FORKD_SHM_DIR to a writable directory on tmpfs"
+        ) from exc
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise HostNotReady(
+            f"the runtime directory {root} exists but is not a directory (a symbolic link or file); "
+            "remove it or set FORKD_SHM_DIR to a directory of your own"
+        )
+    if info.st_uid != os.getuid():
+        raise HostNotReady(
+            f"the runtime directory {root} belongs to uid {info.st_uid}, not to {_user()}; "
+            "have its owner remove it, or set FORKD_SHM_DIR to a directory of your own"
+        )
+    if stat.S_IMODE(info.st_mode) != DIRECTORY_MODE:
+        os.chmod(root, DIRECTORY_MODE)  # ours, left open by an older version: nothing of a live run is in it yet
+    return root
 
 
 def _owner_alive(directory: Path) -> bool:
@@ -37,7 +127,7 @@ def _owner_alive(directory: Path) -> bool:
         owner = json.loads((directory / OWNER_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return _process_start_time(int(owner.get("pid", -1))) == owner.get("start_time")
+    return processes.is_alive(int(owner.get("pid", -1)), owner.get("start_time"))
 
 
 def _age_seconds(path: Path) -> float:
@@ -68,11 +158,11 @@ def _kill_processes_referencing(directory: Path) -> int:
 
 
 def clean_stale(root: Path | None = None) -> list[Path]:
-    """Remove run directories (and kill their QEMUs) whose owner process is gone."""
+    """Remove run directories (and kill their QEMUs) whose owner process is gone, and the root once empty."""
     root = root or shm_root()
     removed: list[Path] = []
-    if not root.is_dir():
-        return removed
+    if not root.is_dir() or root.is_symlink() or root.stat().st_uid != os.getuid():
+        return removed  # another user's runs are theirs to clean
     for directory in [*root.glob("run-*"), *root.glob(".run-*")]:
         if directory.name.startswith(".") and _age_seconds(directory) < 60:
             continue  # being created right now
@@ -80,11 +170,30 @@ def clean_stale(root: Path | None = None) -> list[Path]:
             _kill_processes_referencing(directory)
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
+    if removed:
+        try:  # the root goes with its last run, as RunDir.close() does
+            root.rmdir()
+        except OSError:  # live runs or other files are still there
+            pass
     return removed
 
 
+#: The one shared root of versions before per-user roots; its stale runs of this user are still cleaned.
+LEGACY_ROOT = Path("/dev/shm/pytest-forkd")
+
+
+def _clean_legacy_root() -> None:
+    """Remove this user's stale runs from the shared root older versions used, and the root once empty."""
+    if LEGACY_ROOT.is_dir() and not LEGACY_ROOT.is_symlink() and LEGACY_ROOT.stat().st_uid == os.getuid():
+        clean_stale(LEGACY_ROOT)
+        try:
+            LEGACY_ROOT.rmdir()
+        except OSError:  # live runs of an older version, or other files: not ours to judge
+            pass
+
+
 class RunDir:
-    """A fresh run directory owned by this process; ``close()`` removes it."""
+    """A fresh run directory (mode 0700) owned by this process; ``close()`` removes it."""
 
     def __init__(self, root: Path | None = None) -> None:
         root = root or shm_root()
@@ -93,17 +202,27 @@ class RunDir:
         # clean_stale() must never see this directory without its owner.
         pending = root / f".{name}"
         for _ in range(10):
-            root.mkdir(parents=True, exist_ok=True)
+            ensure_private_root(root)
             try:
-                pending.mkdir()
+                os.mkdir(pending, DIRECTORY_MODE)
                 break
             except FileNotFoundError:  # the last run of another process removed the empty root
                 continue
+            except OSError as exc:
+                raise HostNotReady(
+                    f"cannot create a run directory under {root}: {exc.strerror}; "
+                    "free space on /dev/shm or set FORKD_SHM_DIR"
+                ) from exc
         else:
-            raise OSError(f"cannot create a run directory under {root}")
+            raise HostNotReady(
+                f"cannot create a run directory under {root}: it keeps disappearing; "
+                "set FORKD_SHM_DIR to a directory of your own"
+            )
         clean_stale(root)
-        owner = {"pid": os.getpid(), "start_time": _process_start_time(os.getpid())}
-        (pending / OWNER_FILE).write_text(json.dumps(owner))
+        if root == shm_root() and "FORKD_SHM_DIR" not in os.environ:
+            _clean_legacy_root()
+        owner = {"pid": os.getpid(), "start_time": processes.start_time(os.getpid())}
+        write_private(pending / OWNER_FILE, json.dumps(owner).encode())
         self.path = root / name
         os.rename(pending, self.path)
         self._counter = itertools.count(1)
@@ -115,7 +234,17 @@ class RunDir:
     def close(self) -> None:
         """Kill what still uses the directory and remove it (and the root, once no run is left)."""
         _kill_processes_referencing(self.path)
-        shutil.rmtree(self.path, ignore_errors=True)
+
+        def removed() -> bool:
+            # A VMM that was just killed may still create or unlink its socket and log files
+            # while the tree is removed; try again until the directory is gone.
+            shutil.rmtree(self.path, ignore_errors=True)
+            return not os.path.lexists(self.path)
+
+        try:
+            poll_until(removed, timeout=5, interval=0.05, what=f"run directory {self.path} to be removed")
+        except WaitTimeout:  # closing never fails; the next run cleans it as stale
+            pass
         try:
             self.path.parent.rmdir()
         except OSError:  # other runs (or their stale directories) are still there

@@ -3,6 +3,10 @@
 Build one with :func:`build_image` (``forkd image build``), find built ones
 with :func:`load_image` and :func:`list_images`; :func:`ensure_image` is what
 a session calls to get a bootable image, building the default on first use.
+
+Layer 1 of docs/ARCHITECTURE.md, beside guest. May import: the foundation
+(errors, paths, private, processes, sizes, tables, version, waiting) and
+guest. Never engine or anything above (checked by tests/unit/test_layers.py).
 """
 
 from __future__ import annotations

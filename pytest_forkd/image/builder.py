@@ -31,6 +31,7 @@ from .. import paths
 from ..errors import ConfigError
 from . import debian
 from .catalog import (
+    BZIMAGE_FILE,
     INITRD_FILE,
     KERNEL_FILE,
     MANIFEST_FILE,
@@ -45,12 +46,12 @@ from .catalog import (
     point_name,
 )
 from .cpio import CpioWriter, write_empty_archive
-from .kernel import extract_kernel
+from .kernel import cached_kernel
 from .recipe import Recipe, load_default_recipe, load_recipe
 from .rootfs import assemble_root, guest_files
 
 # Bump when the builder changes what it puts into an image, to invalidate cached images.
-BUILDER_VERSION = 3
+BUILDER_VERSION = 6
 DEFAULT_NAME = "default"
 # Restored children never boot: the head of the kernel and an empty archive
 # are enough for QEMU to start and cost far less memory per child (DESIGN.md 3).
@@ -70,9 +71,7 @@ def image_key(recipe: Recipe) -> str:
     material = {
         "builder": BUILDER_VERSION,
         "recipe": recipe.normalized(),
-        "guest": {
-            name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in sorted(guest_files().items())
-        },
+        "guest": {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in sorted(guest_files().items())},
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -101,9 +100,20 @@ def build_image(
             f"give {Path(recipe).name} another name (--name or the recipe's name field)"
         )
 
-    key = image_key(loaded)
+    return build_recipe(loaded, name=name, progress=progress, force=force)
+
+
+def build_recipe(recipe: Recipe, *, name: str, progress: Progress | None = None, force: bool = False) -> Image:
+    """Build the image of an already loaded ``recipe`` under ``name`` (reused when its key is built).
+
+    For recipes assembled in code (forkd.yaml's ``images:`` section) rather
+    than read from a file.
+    """
+    progress = progress or print_progress
+    paths.validate_tag(name, "image name")
+    key = image_key(recipe)
     if force or not is_published(key):
-        _build_locked(loaded, name, key, progress, force)
+        _build_locked(recipe, name, key, progress, force)
     if key_of(name) != key:
         point_name(name, key)
     return image_at(name, image_directory(key))
@@ -155,23 +165,22 @@ def _publish(output: Path, destination: Path, workdir: Path) -> None:
 def _run_pipeline(recipe: Recipe, name: str, key: str, workdir: Path, progress: Progress) -> Path:
     """Produce a complete image directory inside ``workdir`` and return it."""
     started = time.monotonic()
-    progress(f"resolving packages for kernel {recipe.kernel} and {', '.join(recipe.packages)}")
-    debian.candidates([recipe.kernel, *recipe.packages])  # unknown names fail here with advice
-    kernel_package = debian.resolve_kernel_package(recipe.kernel)
-    closure = debian.dependency_closure(recipe.packages, recipe.exclude)
-    packages = debian.candidates([kernel_package, *closure])
-    debs = debian.download(list(packages.values()), paths.debs_dir(), progress)
+    selection = debian.select_packages(
+        recipe.release, recipe.kernel, recipe.packages, recipe.exclude, paths.debs_dir(), progress
+    )
+    kernel_package = selection.kernel.name
 
-    progress(f"extracting the kernel from {kernel_package}")
-    kernel = extract_kernel(debs[packages[kernel_package].name], workdir / "kernel")
+    progress(f"taking the kernel from {kernel_package}")
+    kernel = cached_kernel(selection.kernel_deb, paths.debs_dir() / "kernels")
     root = workdir / "root"
     assemble_root(
         root,
-        (debs[packages[package].name] for package in closure),
+        selection.package_debs(),
         kernel,
         recipe.files,
         recipe.env,
         progress,
+        python_version=selection.python,
     )
 
     output = workdir / "image"
@@ -179,12 +188,15 @@ def _run_pipeline(recipe: Recipe, name: str, key: str, workdir: Path, progress: 
     progress("writing the initramfs")
     entries = write_initramfs(root, output / INITRD_FILE)
     shutil.copyfile(kernel.boot_image, output / KERNEL_FILE)
+    if kernel.boot_image != kernel.vmlinuz:
+        shutil.copyfile(kernel.vmlinuz, output / BZIMAGE_FILE)
     with kernel.vmlinuz.open("rb") as source:
         (output / STUB_KERNEL_FILE).write_bytes(source.read(STUB_KERNEL_BYTES))
     write_empty_archive(output / STUB_INITRD_FILE, STUB_INITRD_BYTES)
     sizes = {
         filename: (output / filename).stat().st_size
-        for filename in (KERNEL_FILE, INITRD_FILE, STUB_KERNEL_FILE, STUB_INITRD_FILE)
+        for filename in (KERNEL_FILE, INITRD_FILE, STUB_KERNEL_FILE, STUB_INITRD_FILE, BZIMAGE_FILE)
+        if (output / filename).is_file()
     }
     build_seconds = round(time.monotonic() - started, 1)
     progress(
@@ -199,14 +211,21 @@ def _run_pipeline(recipe: Recipe, name: str, key: str, workdir: Path, progress: 
         "created_unix": time.time(),
         "build_seconds": build_seconds,
         "recipe": {**recipe.normalized(), "source": str(recipe.source) if recipe.source else None},
+        "debian": {
+            "release": selection.release,
+            "version": selection.release_version,
+            "mirror": selection.mirror.url,
+        },
+        "python": selection.python,
         "kernel": {
             "package": kernel_package,
-            "version": packages[kernel_package].version,
+            "version": selection.kernel.version,
             "release": kernel.release,
             "entry": "pvh" if kernel.boot_image != kernel.vmlinuz else "bzimage",
             "modules": [module.stem for module in kernel.modules],
+            "builtin": list(kernel.builtin),
         },
-        "packages": {packages[package].name: packages[package].version for package in closure},
+        "packages": {package.name: package.version for package in selection.packages},
         "kernel_args": list(recipe.kernel_args),
         "env": dict(recipe.env),
         "sizes": sizes,

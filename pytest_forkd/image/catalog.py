@@ -6,7 +6,9 @@ Layout under :func:`paths.images_dir`::
 
 ``vmlinuz`` is the kernel QEMU boots: the uncompressed ELF kernel when it has
 a PVH entry point (see kernel.py), else the package's bzImage; the stub is
-always the head of the bzImage.
+always the head of the bzImage. ``bzImage`` (the package's compressed kernel)
+sits next to a PVH ``vmlinuz``: QEMU releases whose PVH boot hangs that kernel
+boot it instead (engine/qemu.py, :func:`boot_kernel`).
     names/<name>          a one-line file holding the key the name points to
 
 An image directory is named by its content key and never changes once
@@ -24,12 +26,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from .. import paths
+from .. import paths, private
 from ..errors import ImageError, UnknownImage
 
 KERNEL_FILE = "vmlinuz"
 INITRD_FILE = "initrd.cpio"
 STUB_KERNEL_FILE = "vmlinuz.stub"
+BZIMAGE_FILE = "bzImage"
 STUB_INITRD_FILE = "initrd.stub"
 MANIFEST_FILE = "manifest.json"
 NAMES_DIR = "names"
@@ -49,6 +52,8 @@ class Image:
     kernel_args: tuple[str, ...]
     env: Mapping[str, str] = field(hash=False)
     fingerprint: str
+    bzimage: Path | None = None
+    """The compressed kernel when ``kernel`` is its PVH (uncompressed) form, else None."""
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -70,12 +75,14 @@ def image_at(name: str, directory: Path) -> Image:
         kernel_args=tuple(manifest["kernel_args"]),
         env=MappingProxyType(dict(manifest["env"])),
         fingerprint=manifest["key"],
+        bzimage=directory / BZIMAGE_FILE if (directory / BZIMAGE_FILE).is_file() else None,
     )
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     try:
-        return json.loads((directory / MANIFEST_FILE).read_text())
+        manifest: dict[str, Any] = json.loads((directory / MANIFEST_FILE).read_text())
+        return manifest
     except (OSError, ValueError) as exc:
         raise ImageError(
             f"image directory {directory} has no readable {MANIFEST_FILE} ({exc}); "
@@ -98,9 +105,8 @@ def _name_file(name: str) -> Path:
 def point_name(name: str, key: str) -> None:
     """Make ``name`` refer to the image ``key``, atomically (readers see the old or the new key)."""
     target = _name_file(name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{name}-")
-    os.fchmod(handle, 0o644)
+    private.make_dir(target.parent)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{name}-")  # created 0600, stays so
     with os.fdopen(handle, "w") as stream:
         stream.write(key + "\n")
     os.replace(temporary, target)
@@ -154,7 +160,12 @@ def unused_image_directories(keep: set[str]) -> list[Path]:
         return []
     named = {key_of(name) for name in image_names()}
     return sorted(
-        entry for entry in root.iterdir()
-        if entry.is_dir() and entry.name != NAMES_DIR and not entry.name.startswith(".")
-        and entry.name not in named and entry.name not in keep and (entry / MANIFEST_FILE).is_file()
+        entry
+        for entry in root.iterdir()
+        if entry.is_dir()
+        and entry.name != NAMES_DIR
+        and not entry.name.startswith(".")
+        and entry.name not in named
+        and entry.name not in keep
+        and (entry / MANIFEST_FILE).is_file()
     )

@@ -148,4 +148,3 @@ def write_empty_archive(path: Path, size: int = 4096) -> None:
         if writer.bytes_written > size:
             raise ValueError(f"an empty archive needs {writer.bytes_written} bytes, more than {size}")
         stream.write(b"\0" * (size - writer.bytes_written))
-

@@ -2,8 +2,10 @@
 
 Debian's cloud kernel builds virtio as modules, and on QEMU's microvm the
 agent's virtio-serial port only appears once virtio_ring, virtio,
-virtio_mmio and virtio_console are loaded (DESIGN.md section 3). Only those
-modules go into the initramfs: the whole module tree would multiply its size
+virtio_mmio and virtio_console are loaded (DESIGN.md section 3); a VM
+started with a network also needs virtio_net (with failover and
+net_failover, which it depends on). Only those modules go into the
+initramfs: the whole module tree would multiply its size
 and every child's memory for nothing. Compressed modules are decompressed
 here because busybox insmod loads plain ELF files only.
 
@@ -20,21 +22,32 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gzip
+import hashlib
+import json
 import lzma
 import re
+import shutil
 import struct
+import subprocess
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..errors import ImageError
-from .debian import data_tar
+from .deb import data_tar
 
 GUEST_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console")
+#: Taken when the kernel has them: the network card of VMs started with a network (virtio_net needs the others).
+NETWORK_MODULES = ("failover", "net_failover", "virtio_net")
+# Debian 12 ships modules under lib/modules as .ko; Debian 13 (merged /usr)
+# under usr/lib/modules as .ko.xz; other kernels use .ko.zst or .ko.gz.
 MODULE_PATH = re.compile(
-    r"^lib/modules/(?P<release>[^/]+)/kernel/drivers/.+/(?P<module>[^/]+?)(?P<suffix>\.ko(\.xz)?)$"
+    r"^(usr/)?lib/modules/(?P<release>[^/]+)/kernel/.+/(?P<module>[^/]+?)\.ko(?P<compression>\.xz|\.zst|\.gz)?$"
 )
+BUILTIN_LIST = re.compile(r"^(usr/)?lib/modules/(?P<release>[^/]+)/modules\.builtin$")
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 @dataclass(frozen=True)
@@ -45,14 +58,95 @@ class KernelParts:
     vmlinuz: Path  # the package's compressed bzImage
     boot_image: Path  # what QEMU boots: the uncompressed PVH kernel when there is one, else vmlinuz
     modules: tuple[Path, ...]  # plain .ko files in load order
+    builtin: tuple[str, ...] = ()  # wanted modules the kernel has built in: nothing to load
 
 
-def extract_kernel(deb: Path, destination: Path, wanted: tuple[str, ...] = GUEST_MODULES) -> KernelParts:
-    """Write boot/vmlinuz-* and the ``wanted`` modules (decompressed) under ``destination``."""
+def module_name(text: str) -> str:
+    """The kernel's name for a module: ``virtio-mmio`` and ``virtio_mmio`` are one module."""
+    return text.replace("-", "_")
+
+
+def builtin_modules(listing: str) -> set[str]:
+    """Module names in a ``modules.builtin`` file (one ``kernel/drivers/.../name.ko`` per line)."""
+    names = set()
+    for line in listing.splitlines():
+        line = line.strip()
+        if line.endswith(".ko"):
+            names.add(module_name(line.rsplit("/", 1)[-1][: -len(".ko")]))
+    return names
+
+
+def decompress_module(data: bytes, compression: str, where: str) -> bytes:
+    """A plain ELF module from a ``.ko``, ``.ko.xz``, ``.ko.gz`` or ``.ko.zst`` file's content."""
+    if compression == ".xz":
+        return lzma.decompress(data)
+    if compression == ".gz":
+        return gzip.decompress(data)
+    if compression == ".zst":
+        return zstd_decompress(data, where)
+    return data
+
+
+ZSTD_CONTENTSIZE_LIMIT = 1 << 62  # above: "unknown" or "error" markers, not sizes
+
+
+def _libzstd() -> ctypes.CDLL | None:
+    for name in (ctypes.util.find_library("zstd"), "libzstd.so.1"):
+        if name:
+            try:
+                return ctypes.CDLL(name)
+            except OSError:
+                continue
+    return None
+
+
+def zstd_decompress(data: bytes, where: str, size: int | None = None) -> bytes:
+    """Undo zstd with libzstd (most hosts have it: apt links it) or else the ``zstd`` program.
+
+    ``size`` is the decompressed size when the caller knows it (the kernel's
+    trailer); a frame written from a pipe does not record it.
+    """
+    library = _libzstd()
+    if library is not None:
+        library.ZSTD_getFrameContentSize.restype = ctypes.c_ulonglong
+        library.ZSTD_getFrameContentSize.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
+        library.ZSTD_decompress.restype = ctypes.c_size_t
+        library.ZSTD_decompress.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
+        library.ZSTD_isError.restype = ctypes.c_uint
+        library.ZSTD_isError.argtypes = (ctypes.c_size_t,)
+        recorded = library.ZSTD_getFrameContentSize(data, len(data))
+        capacity = recorded if recorded < ZSTD_CONTENTSIZE_LIMIT else size
+        if capacity is not None:
+            output = ctypes.create_string_buffer(max(capacity, 1))
+            produced = library.ZSTD_decompress(output, capacity, data, len(data))
+            if not library.ZSTD_isError(produced):
+                return output.raw[:produced]
+    binary = shutil.which("zstd")
+    if binary is None:
+        raise ImageError(
+            f"{where} is compressed with zstd, and neither libzstd nor the zstd program is installed; "
+            "install zstd (apt-get install zstd)"
+        )
+    completed = subprocess.run([binary, "-dcq"], input=data, capture_output=True, check=False)
+    if completed.returncode != 0:
+        raise ImageError(f"{where}: zstd cannot decompress it ({completed.stderr.decode(errors='replace').strip()})")
+    return completed.stdout
+
+
+def extract_kernel(
+    deb: Path, destination: Path, wanted: tuple[str, ...] = GUEST_MODULES, optional: tuple[str, ...] = ()
+) -> KernelParts:
+    """Write boot/vmlinuz-* and the ``wanted`` modules (decompressed) under ``destination``.
+
+    A wanted module that the kernel has built in (listed in modules.builtin)
+    counts as present and is not loaded. ``optional`` modules are taken when
+    the package has them (and what they depend on), and left out otherwise.
+    """
     destination.mkdir(parents=True, exist_ok=True)
     vmlinuz: Path | None = None
     release = ""
     modules: dict[str, Path] = {}
+    builtin: set[str] = set()
     with data_tar(deb) as archive:
         for member in archive:
             name = member.name.removeprefix("./")
@@ -60,34 +154,54 @@ def extract_kernel(deb: Path, destination: Path, wanted: tuple[str, ...] = GUEST
                 continue
             if name.startswith("boot/vmlinuz-"):
                 vmlinuz = destination / "vmlinuz"
-                release = name[len("boot/vmlinuz-"):]
+                release = name[len("boot/vmlinuz-") :]
                 _write_member(archive, member, vmlinuz)
                 continue
+            if BUILTIN_LIST.match(name):
+                source = archive.extractfile(member)
+                assert source is not None
+                builtin |= builtin_modules(source.read().decode(errors="replace"))
+                continue
             match = MODULE_PATH.match(name)
-            if match and match["module"] in wanted and match["module"] not in modules:
-                target = destination / f"{match['module']}.ko"
-                _write_member(archive, member, target)
-                if match["suffix"].endswith(".xz"):
-                    target.write_bytes(lzma.decompress(target.read_bytes()))
-                modules[match["module"]] = target
+            module = module_name(match["module"]) if match else ""
+            if match and (module in wanted or module in optional) and module not in modules:
+                target = destination / f"{module}.ko"
+                source = archive.extractfile(member)
+                assert source is not None
+                target.write_bytes(decompress_module(source.read(), match["compression"] or "", name))
+                modules[module] = target
     if vmlinuz is None:
         raise ImageError(
             f"{deb.name} contains no boot/vmlinuz-*; the recipe's kernel must be a Debian "
             "linux-image package (for example linux-image-cloud-amd64)"
         )
-    missing = [module for module in wanted if module not in modules]
+    present_builtin = tuple(module for module in wanted if module in builtin and module not in modules)
+    missing = [module for module in wanted if module not in modules and module not in builtin]
     if missing:
         raise ImageError(
-            f"{deb.name} has no module(s) {', '.join(missing)} under lib/modules/{release}/kernel/drivers; "
-            "the guest needs them to reach its agent port. Use a kernel package that builds virtio as "
-            "modules or in (Debian's linux-image-cloud-amd64 does)"
+            f"{deb.name} has no module(s) {', '.join(missing)} (neither under lib/modules/{release}/kernel "
+            "nor built in); the guest needs them to reach its agent port. Use a kernel package that builds "
+            "virtio as modules or in (Debian's linux-image-cloud-amd64 does)"
         )
+    _drop_incomplete(modules, builtin, optional)
     return KernelParts(
         release=release,
         vmlinuz=vmlinuz,
         boot_image=pvh_kernel(vmlinuz, destination / "vmlinux") or vmlinuz,
-        modules=load_order(modules),
+        modules=load_order(modules, builtin),
+        builtin=present_builtin,
     )
+
+
+def _drop_incomplete(modules: dict[str, Path], builtin: set[str], optional: tuple[str, ...]) -> None:
+    """Leave out optional modules whose dependencies the package lacks (insmod would refuse them)."""
+    dropped = True
+    while dropped:
+        dropped = False
+        for name in [name for name in modules if name in optional]:
+            if any(dep not in modules and dep not in builtin for dep in module_dependencies(modules[name])):
+                del modules[name]
+                dropped = True
 
 
 def module_dependencies(module: Path) -> list[str]:
@@ -97,12 +211,15 @@ def module_dependencies(module: Path) -> list[str]:
     if marker < 0:
         return []
     end = data.index(b"\0", marker + 1)
-    listed = data[marker + len(b"\0depends="):end].decode()
+    listed = data[marker + len(b"\0depends=") : end].decode()
     return [name.replace("-", "_") for name in listed.split(",") if name]
 
 
-def load_order(modules: dict[str, Path]) -> tuple[Path, ...]:
-    """Order modules so each comes after the modules it depends on (insmod does not resolve them)."""
+def load_order(modules: dict[str, Path], builtin: set[str] | frozenset[str] = frozenset()) -> tuple[Path, ...]:
+    """Order modules so each comes after the modules it depends on (insmod does not resolve them).
+
+    Dependencies the kernel has built in need no loading.
+    """
     ordered: list[str] = []
     visiting: set[str] = set()
 
@@ -113,6 +230,8 @@ def load_order(modules: dict[str, Path]) -> tuple[Path, ...]:
             raise ImageError(f"kernel modules depend on each other in a cycle through {name}")
         visiting.add(name)
         for dependency in module_dependencies(modules[name]):
+            if dependency in builtin:
+                continue
             if dependency not in modules:
                 raise ImageError(
                     f"kernel module {name} needs {dependency}, which the image does not include; "
@@ -155,7 +274,7 @@ def _lz4_legacy(payload: bytes, size: int) -> bytes:
     position = len(LZ4_LEGACY_MAGIC)
     while len(output) < size:
         (length,) = struct.unpack_from("<I", payload, position)
-        chunk = payload[position + 4:position + 4 + length]
+        chunk = payload[position + 4 : position + 4 + length]
         produced = decompress(chunk, block, len(chunk), LZ4_LEGACY_BLOCK)
         if produced <= 0:
             raise ValueError(f"corrupt LZ4 block at offset {position}")
@@ -170,6 +289,7 @@ DECOMPRESSORS: dict[bytes, Callable[[bytes, int], bytes]] = {
     LZ4_LEGACY_MAGIC: _lz4_legacy,
     GZIP_MAGIC: lambda stream, size: gzip.decompress(stream),
     b"\xfd7zXZ\x00": lambda stream, size: lzma.decompress(stream, lzma.FORMAT_XZ),
+    ZSTD_MAGIC: lambda stream, size: zstd_decompress(stream, "the kernel", size),
 }
 
 
@@ -186,7 +306,7 @@ def decompress_bzimage(vmlinuz: bytes) -> bytes | None:
     setup_sectors = vmlinuz[0x1F1] or 4
     payload_offset, payload_length = struct.unpack_from("<II", vmlinuz, 0x248)
     start = (setup_sectors + 1) * 512 + payload_offset
-    payload = vmlinuz[start:start + payload_length]
+    payload = vmlinuz[start : start + payload_length]
     if payload_length < 4 or len(payload) != payload_length:
         return None
     (size,) = struct.unpack_from("<I", payload, payload_length - 4)
@@ -195,7 +315,7 @@ def decompress_bzimage(vmlinuz: bytes) -> bytes | None:
             stream = payload if magic == GZIP_MAGIC else payload[:-4]
             try:
                 kernel = decompress(stream, size)
-            except (OSError, ValueError, EOFError, struct.error, lzma.LZMAError):
+            except (OSError, ValueError, EOFError, struct.error, lzma.LZMAError, ImageError):
                 return None
             return kernel if len(kernel) == size else None
     return None
@@ -224,7 +344,7 @@ def _has_pvh_note(elf: bytes) -> bool:
         position, end = offset, offset + length
         while position + 12 <= end:
             name_size, description_size, note_type = struct.unpack_from("<III", elf, position)
-            name = elf[position + 12:position + 12 + name_size]
+            name = elf[position + 12 : position + 12 + name_size]
             if name == b"Xen\0" and note_type == XEN_ELFNOTE_PHYS32_ENTRY:
                 return True
             position += 12 + -(-name_size // 4) * 4 + -(-description_size // 4) * 4
@@ -238,3 +358,72 @@ def pvh_kernel(vmlinuz: Path, destination: Path) -> Path | None:
         return None
     destination.write_bytes(kernel)
     return destination
+
+
+# -- reusing an extracted kernel -------------------------------------------------
+
+KERNEL_CACHE_FORMAT = 1
+PARTS_FILE = "parts.json"
+
+
+def cached_kernel(
+    deb: Path, cache: Path, wanted: tuple[str, ...] = GUEST_MODULES, optional: tuple[str, ...] = NETWORK_MODULES
+) -> KernelParts:
+    """:func:`extract_kernel`, done once per kernel package and kept under ``cache``.
+
+    Reading the kernel out of its package means decompressing all of it
+    (a few hundred MB of modules) and then decompressing the kernel itself,
+    several seconds that every image built on that kernel would repeat. The
+    parts are keyed by the package's sha256 (its cached file name) and
+    published by renaming a complete directory; they are only read afterwards.
+    """
+    identity = json.dumps(
+        [
+            KERNEL_CACHE_FORMAT,
+            deb.stem if len(deb.stem) == 64 else deb.name,
+            list(wanted),
+            *([list(optional)] if optional else []),
+        ]
+    )
+    directory = cache / hashlib.sha256(identity.encode()).hexdigest()[:24]
+    parts = _load_parts(directory)
+    if parts is not None:
+        return parts
+    cache.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=cache, prefix=".extract-"))
+    try:
+        extracted = extract_kernel(deb, scratch, wanted, optional)
+        record = {
+            "release": extracted.release,
+            "vmlinuz": extracted.vmlinuz.name,
+            "boot_image": extracted.boot_image.name,
+            "modules": [module.name for module in extracted.modules],
+            "builtin": list(extracted.builtin),
+        }
+        (scratch / PARTS_FILE).write_text(json.dumps(record))
+        try:
+            scratch.rename(directory)
+        except OSError:  # published meanwhile by a concurrent build: use that one
+            pass
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    parts = _load_parts(directory)
+    if parts is None:
+        raise ImageError(f"the kernel extracted from {deb.name} into {directory} is unreadable; delete it and rebuild")
+    return parts
+
+
+def _load_parts(directory: Path) -> KernelParts | None:
+    try:
+        record = json.loads((directory / PARTS_FILE).read_text())
+        parts = KernelParts(
+            release=record["release"],
+            vmlinuz=directory / record["vmlinuz"],
+            boot_image=directory / record["boot_image"],
+            modules=tuple(directory / name for name in record["modules"]),
+            builtin=tuple(record["builtin"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    files = (parts.vmlinuz, parts.boot_image, *parts.modules)
+    return parts if all(path.is_file() for path in files) else None

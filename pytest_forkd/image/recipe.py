@@ -1,7 +1,8 @@
 """Image recipes: what goes into a guest image, read from YAML and validated.
 
-A recipe names a kernel package, root packages (their dependency closure is
-computed by the builder), packages to drop from that closure, host files to
+A recipe names a pinned Debian release (``release: bookworm``), a kernel
+package, root packages (their dependency closure is computed by the builder
+from that release's index), packages to drop from that closure, host files to
 copy in, extra kernel arguments and environment variables for the agent.
 
 Every error names the recipe file and the field path (``files[1].dest``) and
@@ -33,12 +34,15 @@ DEFAULT_RECIPE_PATH = Path(__file__).with_name("default.yaml")
 SUPPORTED_BASES = ("debian",)
 EXTENDS_CHOICES = ("default", "none")
 ALLOWED_KEYS = frozenset(
-    {"name", "base", "extends", "kernel", "packages", "exclude", "files", "kernel_args", "env"}
+    {"name", "base", "release", "extends", "kernel", "packages", "exclude", "files", "kernel_args", "env"}
 )
 FILE_KEYS = frozenset({"src", "dest", "mode"})
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Debian package names (policy 5.6.1), optionally with an architecture qualifier.
 PACKAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]+(:[a-z0-9-]+)?$")
+# A Debian codename (bookworm, trixie) or suite (stable, testing); the mirror says whether it exists.
+RELEASE_NAME = re.compile(r"^[a-z][a-z0-9-]{1,31}$")
+DEFAULT_RELEASE = "bookworm"
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Recipe:
     kernel: str
     packages: tuple[str, ...]
     exclude: tuple[str, ...] = ()
+    release: str = DEFAULT_RELEASE
     files: tuple[FileSpec, ...] = ()
     kernel_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
@@ -77,13 +82,11 @@ class Recipe:
         """
         return {
             "base": self.base,
+            "release": self.release,
             "kernel": self.kernel,
             "packages": sorted(set(self.packages)),
             "exclude": sorted(set(self.exclude)),
-            "files": [
-                {"dest": spec.dest, "mode": spec.mode, "sha256": spec.content_digest()}
-                for spec in self.files
-            ],
+            "files": [{"dest": spec.dest, "mode": spec.mode, "sha256": spec.content_digest()} for spec in self.files],
             "kernel_args": list(self.kernel_args),
             "env": dict(sorted(self.env.items())),
         }
@@ -143,8 +146,7 @@ class _Fields:
 
     def package_names(self, value: Any, where: str) -> tuple[str, ...]:
         return tuple(
-            self.package_name(item, f"{where}[{index}]")
-            for index, item in enumerate(self.expect_list(value, where))
+            self.package_name(item, f"{where}[{index}]") for index, item in enumerate(self.expect_list(value, where))
         )
 
 
@@ -152,14 +154,11 @@ def _parse(document: Any, path: Path, parent: Recipe | None) -> Recipe:
     fields = _Fields(path)
     if not isinstance(document, dict):
         raise ConfigError(
-            f"{path.name}: expected a mapping of recipe fields at the top level, "
-            f"got {type(document).__name__}"
+            f"{path.name}: expected a mapping of recipe fields at the top level, got {type(document).__name__}"
         )
     unknown = sorted(str(key) for key in document if key not in ALLOWED_KEYS)
     if unknown:
-        raise fields.error(
-            unknown[0], f"unknown field; allowed fields are {', '.join(sorted(ALLOWED_KEYS))}"
-        )
+        raise fields.error(unknown[0], f"unknown field; allowed fields are {', '.join(sorted(ALLOWED_KEYS))}")
 
     name = document.get("name")
     if name is not None:
@@ -174,6 +173,10 @@ def _parse(document: Any, path: Path, parent: Recipe | None) -> Recipe:
         raise fields.error("base", "missing; say `base: debian`")
     if base not in SUPPORTED_BASES:
         raise fields.error("base", f"expected one of {', '.join(SUPPORTED_BASES)}, got {base!r}")
+
+    release = document.get("release", parent.release if parent else DEFAULT_RELEASE)
+    if not isinstance(release, str) or not RELEASE_NAME.match(release):
+        raise fields.error("release", f"expected a Debian release name such as bookworm or trixie, got {release!r}")
 
     kernel = document.get("kernel", parent.kernel if parent else None)
     if kernel is None:
@@ -199,11 +202,14 @@ def _parse(document: Any, path: Path, parent: Recipe | None) -> Recipe:
         kernel_args = _merged(parent.kernel_args, kernel_args)
         env = {**parent.env, **env}
     if not packages:
-        raise fields.error("packages", "empty; an image needs at least busybox-static and python3.11-minimal")
+        raise fields.error(
+            "packages", "empty; an image needs at least busybox-static, python3-minimal and libpython3-stdlib"
+        )
 
     return Recipe(
         name=name,
         base=base,
+        release=release,
         kernel=kernel,
         packages=packages,
         exclude=exclude,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from ..errors import ImageError
-from .debian import unpack
+from .deb import unpack
 from .kernel import KernelParts
 from .recipe import FileSpec
 
@@ -57,6 +57,10 @@ PRUNED_PYTHON_LIBRARY = (
     "lib-dynload/_xxtestfuzz.*",
     "lib-dynload/xxlimited*",
 )
+# The guest's layout is merged /usr whatever the release: Debian 13 packages
+# ship their files under usr/ only and rely on these links, Debian 12 packages
+# still ship /bin and /lib paths, which land in usr/ through them.
+MERGED_USR_LINKS = {"bin": "usr/bin", "sbin": "usr/sbin", "lib": "usr/lib", "lib64": "usr/lib64"}
 # Mount points and home that init expects; device nodes are added by the archive writer.
 SKELETON_DIRS = ("dev", "proc", "sys", "tmp", "run", "root", "mnt", CONFIG_DIR, MODULES_DIR, AGENT_DIR)
 
@@ -70,6 +74,7 @@ def guest_files() -> dict[str, Path]:
     files = {
         "agent.py": Path(str(guest_package / "agent.py")),
         "wire.py": Path(str(guest_package / "wire.py")),
+        "tarstream.py": Path(str(guest_package / "tarstream.py")),
         "init.sh": Path(str(guest_package / "init.sh")),
     }
     missing = [str(path) for path in files.values() if not path.is_file()]
@@ -88,10 +93,16 @@ def assemble_root(
     files: Iterable[FileSpec],
     env: Mapping[str, str],
     progress: Callable[[str], None],
+    python_version: str | None = None,
 ) -> None:
-    """Fill ``root`` with everything the guest needs, ready to be archived."""
+    """Fill ``root`` with everything the guest needs, ready to be archived.
+
+    ``python_version`` ("3.11") is the interpreter the packages provide, as
+    read from the release's index; None takes the newest one found.
+    """
     debs = list(debs)
     progress(f"unpacking {len(debs)} packages")
+    make_merged_usr(root)
     for deb in debs:
         unpack(deb, root)
     prune(root, PRUNED_PATHS)
@@ -101,13 +112,13 @@ def assemble_root(
     os.chmod(root / "root", 0o700)
 
     install_busybox_links(root)
-    python = link_python3(root)
+    python = link_python3(root, python_version)
     prune(root / "usr" / "lib" / python.name, PRUNED_PYTHON_LIBRARY)
     install_modules(root, kernel)
     write_env_file(root / CONFIG_DIR / "env", env)
 
     sources = guest_files()
-    for name in ("agent.py", "wire.py"):
+    for name in ("agent.py", "wire.py", "tarstream.py"):
         shutil.copyfile(sources[name], root / AGENT_DIR / name)
     shutil.copyfile(sources["init.sh"], root / "init")
     os.chmod(root / "init", 0o755)
@@ -147,16 +158,32 @@ def install_recipe_files(root: Path, files: Iterable[FileSpec]) -> None:
             os.chmod(target, spec.mode)
 
 
+def make_merged_usr(root: Path) -> None:
+    """Create usr/{bin,sbin,lib,lib64} and the top-level links to them."""
+    for name, target in MERGED_USR_LINKS.items():
+        (root / target).mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(target)
+    for directory in ("usr", *MERGED_USR_LINKS.values()):
+        os.chmod(root / directory, 0o755)  # the guest's view, whatever the builder's umask
+
+
+def find_busybox(root: Path) -> Path:
+    """Busybox wherever its package put it (/bin in Debian 12, /usr/bin in Debian 13, or sbin)."""
+    for directory in ("usr/bin", "usr/sbin", "bin", "sbin"):
+        candidate = root / directory / "busybox"
+        if candidate.is_file():
+            return candidate
+    raise ImageError(
+        "the image has no busybox (looked in /usr/bin, /usr/sbin, /bin, /sbin); the guest's /init needs it: "
+        "keep busybox-static in the recipe's packages"
+    )
+
+
 def install_busybox_links(root: Path) -> None:
     """Symlink every busybox applet (sh, mount, insmod...) that no package already provides."""
-    busybox = root / "bin" / "busybox"
-    if not busybox.is_file():
-        raise ImageError(
-            "the image has no /bin/busybox; the guest's /init needs it: keep busybox-static in the recipe's packages"
-        )
-    listing = subprocess.run(
-        [str(busybox), "--list-full"], capture_output=True, text=True, check=False
-    )
+    busybox = find_busybox(root)
+    guest_path = "/" + busybox.relative_to(root).as_posix()
+    listing = subprocess.run([str(busybox), "--list-full"], capture_output=True, text=True, check=False)
     if listing.returncode != 0:
         raise ImageError(f"cannot list busybox applets ({busybox} --list-full): {listing.stderr.strip()}")
     for applet in listing.stdout.split():
@@ -164,19 +191,25 @@ def install_busybox_links(root: Path) -> None:
         if os.path.lexists(link):
             continue
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to("/bin/busybox")
+        link.symlink_to(guest_path)
 
 
-def link_python3(root: Path) -> Path:
-    """Point /usr/bin/python3 at the image's interpreter (Debian's python3.X-minimal has no such link)."""
+def link_python3(root: Path, version: str | None = None) -> Path:
+    """Point /usr/bin/python3 at the image's interpreter, unless a package (python3-minimal) already does.
+
+    ``version`` ("3.11") is the one the release's packages name; without it
+    the newest interpreter in the tree is taken.
+    """
     interpreters = sorted(
-        (path for path in (root / "usr" / "bin").glob("python3.*") if path.name[len("python3."):].isdigit()),
-        key=lambda path: int(path.name[len("python3."):]),
+        (path for path in (root / "usr" / "bin").glob("python3.*") if path.name[len("python3.") :].isdigit()),
+        key=lambda path: int(path.name[len("python3.") :]),
     )
+    if version is not None:
+        interpreters = [path for path in interpreters if path.name == f"python{version}"]
     if not interpreters:
         raise ImageError(
-            "the image has no Python interpreter (usr/bin/python3.X); the agent needs one: "
-            "keep python3.11-minimal and libpython3.11-stdlib in the recipe's packages"
+            f"the image has no Python interpreter (usr/bin/python{version or '3.X'}); the agent needs one: "
+            "keep python3-minimal and libpython3-stdlib in the recipe's packages"
         )
     python = interpreters[-1]
     link = root / "usr" / "bin" / "python3"
@@ -235,18 +268,43 @@ def _compileall(root: Path, python: Path, targets: list[Path], *, sourceless: bo
     if not loader.is_file():
         raise ImageError(f"the image has no dynamic loader at {loader}; keep libc6 in the image")
     library_path = f"{root / 'lib' / MULTIARCH}:{root / 'usr/lib' / MULTIARCH}"
-    command = [
-        str(loader), "--library-path", library_path, str(python),
-        "-S", "-m", "compileall", "-q", "-j0",
+    # compileall's worker processes start the interpreter again by its path
+    # (Python 3.13 uses a forkserver), which would run it with the host's C
+    # library: point multiprocessing at a launcher that goes through the
+    # tree's loader too.
+    launcher = root.parent / f".{root.name}-python"
+    launcher.write_text(
+        "#!/bin/sh\n"
+        f"exec {shlex.quote(str(loader))} --library-path {shlex.quote(library_path)} "
+        f'{shlex.quote(str(python))} "$@"\n'
+    )
+    launcher.chmod(0o755)
+    arguments = [
+        "compileall",
+        "-q",
+        "-j0",
         *(["-b"] if sourceless else []),  # X.pyc beside X.py instead of __pycache__/X.cpython-3N.pyc
-        "-s", str(root), "-p", "/",
-        "--invalidation-mode", "unchecked-hash",
+        "-s",
+        str(root),
+        "-p",
+        "/",
+        "--invalidation-mode",
+        "unchecked-hash",
         *map(str, targets),
     ]
+    program = (
+        "import compileall, multiprocessing, sys; "
+        f"multiprocessing.set_executable({str(launcher)!r}); "
+        f"sys.argv = {arguments!r}; "
+        "sys.exit(int(not compileall.main()))"
+    )
+    command = [str(launcher), "-S", "-c", program]
     completed = subprocess.run(
         command,
         env={"PYTHONHOME": str(root / "usr"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if completed.returncode != 0:
         output = (completed.stdout + completed.stderr).strip()[-2000:]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_forkd.storage.backend import registry
+
 FORKD = str(Path(sys.executable).parent / "forkd")
 FIGURE_KEYS = {"n", "min", "p50", "p95", "max"}
 
@@ -25,16 +27,58 @@ def assert_figure(figure: dict, n: int) -> None:
 
 def test_bench_prints_every_figure_as_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    result = run_forkd("bench", "--memory", "256", "--backends", "full,diff", "--dirty", "0,8",
-                       "--repeats", "2", "--boots", "1", "--json", str(out))
+    result = run_forkd(
+        "bench",
+        "--memory",
+        "256",
+        "--backends",
+        "full,diff",
+        "--dirty",
+        "0,8",
+        "--repeats",
+        "2",
+        "--boots",
+        "1",
+        "--overhead-tests",
+        "2",
+        "--parallel",
+        "3",
+        "--parts",
+        "core",
+        "--json",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
     assert json.loads(out.read_text()) == printed
+    for group in ("0ms", "10ms", "100ms"):  # per-test overhead through the plugin, 2 tests per group
+        figure = printed[f"overhead_{group}"]
+        assert figure["n"] == 2 and 0 < figure["p50"] <= figure["p95"] <= figure["max"]
+    assert printed["overhead_terminal_summary"]["n"] == 6
+    assert printed["overhead_suite"]["pool_prefill"]["children"] >= 1
+    assert printed["overhead_p95_over_pooled_fork_p50"] > 0 and printed["overhead_p50_over_pooled_fork_p50"] > 0
+    assert printed["fork3_parallel_speedup"] > 0 and printed["fork3_serial_s"] > 0
+    phases = printed["restore_phases_ms"]
+    assert {"qemu_start_ms", "device_state_ms", "first_reply_ms", "warm_ms"} <= set(phases)
+    assert_figure(phases["first_reply_ms"], 2)
     assert_figure(printed["cold_boot_ms"], 1)
     for name in ("fork_ms", "fork_pooled_ms", "fixture_overhead_ms"):
         assert_figure(printed[name], 2)
     assert_figure(printed["exec_rtt_ms"], 10)
+    assert_figure(printed["exec_output_mib_s"], 3)
+    assert_figure(printed["spawn_ms"], 10)  # time to the first output line of a spawned command
+    assert_figure(printed["copy_in_mib_s"], 2)
+    assert_figure(printed["copy_out_mib_s"], 2)
+    for name in ("async_gather_3vm_ms", "async_gather_1vm_ms", "async_cancel_ms"):
+        assert_figure(printed[name], 2)
     assert_figure(printed["copy_reference_mib_s"], 2)
+    # Manifest and changes() on a generated 20,000-file tree (the figures, not a limit, are the point).
+    assert_figure(printed["manifest_ms"], 2)
+    assert_figure(printed["changes_ms"], 2)
+    assert_figure(printed["manifest_cold_ms"], 1)
+    tree = printed["changes_tree"]
+    assert tree["files"] == 20000 and tree["paths"] > 20000
+    assert (tree["added"], tree["modified"], tree["deleted"]) == (100, 150, 100)
     assert printed["conditions"]["accel"] in ("kvm", "tcg")
     rows = {(row["backend"], row["memory_mib"], row["dirty_mib"]): row for row in printed["branch"]}
     assert set(rows) == {("full", 256, 0), ("full", 256, 8), ("diff", 256, 0), ("diff", 256, 8)}
@@ -44,13 +88,50 @@ def test_bench_prints_every_figure_as_json(tmp_path: Path) -> None:
         assert row["pause_ms"]["min"] <= row["total_ms"]["max"]
 
 
-def test_sweep_writes_json_and_a_png_of_the_three_backends(tmp_path: Path) -> None:
+def test_bench_parts_report_pauses_memory_and_guest_speed(tmp_path: Path) -> None:
+    """The uffd, diff, memory and speed parts alone; each figure is there and self-consistent."""
+    result = run_forkd(
+        "bench", "--memory", "256", "--parts", "uffd,diff,memory,speed", "--diff-branches", "10", "--repeats", "2"
+    )
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert "cold_boot_ms" not in printed and printed["conditions"]["parts"] == ["uffd", "diff", "memory", "speed"]
+    assert_figure(printed["diff_pause_ms"], 10)
+    assert printed["diff_pause_p50_ms"] == printed["diff_pause_ms"]["p50"]
+    series = printed["diff_pause_series_ms"]
+    assert len(series) == 10 and printed["diff_pause_10th_over_2nd"] == pytest.approx(series[9] / series[1], rel=0.01)
+    assert printed["diff_pause_max_over_p50"] >= 1 and printed["diff_pause_outliers"] >= 0
+    assert printed["child_pss_mib"] > 0 and printed["parent_pss_mib"] > 0
+    assert {"guest_ram", "tcg_code", "qemu_heap", "binaries"} <= set(printed["child_pss_parts_mib"])
+    assert printed["memory_conditions"]["guest_mib"] == 256
+    assert printed["guest_python_slowdown"] > 0
+    assert_figure(printed["guest_python_s"], 3)
+    if registry().get("uffd").unavailable_reason() is None:
+        assert set(printed["uffd_pause_ms"]) == {"256"} and printed["uffd_pause_ms"]["256"] > 0
+        assert "uffd_growth_ratio" not in printed  # one memory size: nothing to compare
+    else:
+        assert "skipping uffd pause" in result.stderr
+
+
+def test_bench_refuses_unknown_parts_before_starting_anything() -> None:
+    result = run_forkd("bench", "--parts", "core,warp")
+    assert result.returncode == 2
+    assert "unknown bench part(s) warp" in result.stderr and "core, uffd, diff, memory, speed" in result.stderr
+
+
+def test_sweep_writes_json_and_a_png_of_every_backend_that_works_here(tmp_path: Path) -> None:
+    """All three backends where userfaultfd is permitted; the others (named, with the reason) elsewhere."""
     pytest.importorskip("matplotlib")
+    # the built-in ones (other tests of this session may have registered test backends here)
+    working = {name for name in ("full", "diff", "uffd") if registry().get(name).unavailable_reason() is None}
+    assert {"full", "diff"} <= working
     plot = tmp_path / "sweep.png"
     result = run_forkd("bench", "--sweep", "--memory", "256", "--repeats", "1", "--plot", str(plot))
     assert result.returncode == 0, result.stderr
     document = json.loads(plot.with_suffix(".json").read_text())
-    assert {row["backend"] for row in document["branch"]} == {"full", "diff", "uffd"}
+    assert {row["backend"] for row in document["branch"]} == working
+    if "uffd" not in working:
+        assert "skipping backend uffd: userfaultfd is not permitted" in result.stderr
     assert [row["memory_mib"] for row in document["fork"]] == [256]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.stat().st_size > 10_000

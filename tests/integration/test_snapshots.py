@@ -16,8 +16,13 @@ import pytest
 from forkd_backends.diff import DiffBackend
 from tenacity import Retrying, retry_if_exception_type, retry_if_result, stop_after_delay, wait_fixed
 
-from pytest_forkd import timings
-from pytest_forkd.backend import (
+from pytest_forkd.core.factory import VMFactory
+from pytest_forkd.core.pool import ChildPool
+from pytest_forkd.core.vm import VM
+from pytest_forkd.errors import BackendError, SnapshotError
+from pytest_forkd.guest.client import GuestOSError
+from pytest_forkd.latency import timings
+from pytest_forkd.storage.backend import (
     BackendRegistry,
     Capture,
     CaptureSource,
@@ -26,13 +31,8 @@ from pytest_forkd.backend import (
     register_plugin,
     registry,
 )
-from pytest_forkd.errors import BackendError, SnapshotError
-from pytest_forkd.factory import VMFactory
-from pytest_forkd.guest.client import GuestOSError
-from pytest_forkd.pool import ChildPool
-from pytest_forkd.snapshot import Snapshot
-from pytest_forkd.store import SnapshotStore
-from pytest_forkd.vm import VM
+from pytest_forkd.storage.snapshot import Snapshot
+from pytest_forkd.storage.store import SnapshotStore
 
 BACKENDS = ["full", "diff", "uffd"]
 FAILING_BACKEND = "itest-fails-mid-capture"
@@ -57,8 +57,12 @@ def exists(vm: VM, path: str) -> bool:
 def read_counter(vm: VM) -> int:
     """The guest loop's counter; retry until the loop has written it once, and after a torn read
     (the loop truncates the file before writing it)."""
-    poll = Retrying(stop=stop_after_delay(10), wait=wait_fixed(0.02),
-                    retry=retry_if_exception_type((ValueError, GuestOSError)), reraise=True)
+    poll = Retrying(
+        stop=stop_after_delay(10),
+        wait=wait_fixed(0.02),
+        retry=retry_if_exception_type((ValueError, GuestOSError)),
+        reraise=True,
+    )
     return poll(lambda: int(vm.read_file("/root/counter")))
 
 
@@ -139,9 +143,7 @@ def external_backends() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_children_of_a_branch_are_isolated_from_each_other_and_the_source(
-    vm: VM, backend: str, owned: Owned
-) -> None:
+def test_children_of_a_branch_are_isolated_from_each_other_and_the_source(vm: VM, backend: str, owned: Owned) -> None:
     vm.write_file("/root/before-branch", "shared")
     snapshot = vm.branch(backend=backend)
     first, second = owned(snapshot.fork(2))
@@ -164,8 +166,14 @@ def test_snapshot_files_never_change_while_children_and_source_write(
 ) -> None:
     full = vm.branch(backend="full")
     diff = vm.branch(backend="diff")
-    files = [base_snapshot.memory_path, base_snapshot.state_path, full.memory_path, full.state_path,
-             diff.diff_path, diff.state_path]
+    files = [
+        base_snapshot.memory_path,
+        base_snapshot.state_path,
+        full.memory_path,
+        full.state_path,
+        diff.diff_path,
+        diff.state_path,
+    ]
     before = {path: sha256_of(path) for path in files}
 
     writers = [vm, *owned(full.fork(1) + diff.fork(1) + base_snapshot.fork(1))]
@@ -233,8 +241,9 @@ def test_branch_of_a_busy_vm_keeps_the_command_effects_as_of_the_pause(vm: VM, o
     in_source = read_counter(vm)
 
     assert before_branch <= in_child <= in_source
-    poll = Retrying(stop=stop_after_delay(10), wait=wait_fixed(0.05),
-                    retry=retry_if_result(lambda value: value <= in_child))
+    poll = Retrying(
+        stop=stop_after_delay(10), wait=wait_fixed(0.05), retry=retry_if_result(lambda value: value <= in_child)
+    )
     assert poll(read_counter, child) > in_child  # the loop goes on in the child
 
 
@@ -377,8 +386,9 @@ def test_diff_past_the_threshold_is_flattened_into_its_own_memory(
 
 
 def wait_for_pool(pool: ChildPool, size: int) -> None:
-    poll = Retrying(stop=stop_after_delay(120), wait=wait_fixed(0.1), retry=retry_if_result(lambda n: n < size),
-                    reraise=True)
+    poll = Retrying(
+        stop=stop_after_delay(120), wait=wait_fixed(0.1), retry=retry_if_result(lambda n: n < size), reraise=True
+    )
     assert poll(len, pool) == size
 
 

@@ -12,10 +12,10 @@ from typing import Iterator
 
 import pytest
 
-from pytest_forkd.branching import branch
-from pytest_forkd.snapshot import Snapshot
-from pytest_forkd.store import SnapshotStore
-from pytest_forkd.vm import VM
+from pytest_forkd.core.branching import branch
+from pytest_forkd.core.vm import VM
+from pytest_forkd.storage.snapshot import Snapshot
+from pytest_forkd.storage.store import SnapshotStore
 
 FORKD = [sys.executable, "-m", "pytest_forkd.cli"]
 
@@ -43,8 +43,9 @@ def full_and_diff(vm: VM, store: SnapshotStore) -> Iterator[tuple[Snapshot, Snap
 
 
 def forkd_snapshots(*args: str, store: SnapshotStore) -> subprocess.CompletedProcess:
-    return subprocess.run([*FORKD, "snapshots", *args, "--store", str(store.root)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [*FORKD, "snapshots", *args, "--store", str(store.root)], capture_output=True, text=True, timeout=60
+    )
 
 
 def info_fields(output: str) -> dict[str, str]:

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from pytest_forkd.core.vm import VM
 from pytest_forkd.errors import ExecError, ExecTimeout
-from pytest_forkd.vm import VM
 
 
 def test_argv_is_passed_verbatim_and_a_string_runs_under_sh(vm: VM) -> None:
@@ -35,8 +35,12 @@ def test_a_signal_kills_the_command_not_the_agent(vm: VM) -> None:
 
 
 def test_env_cwd_and_stdin(vm: VM) -> None:
-    result = vm.exec(["sh", "-c", 'echo "$GREETING"; pwd; cat; echo "${HOME:+home is set}"'],
-                     env={"GREETING": "hello guest"}, cwd="/tmp", stdin=b"piped\x00bytes\n")
+    result = vm.exec(
+        ["sh", "-c", 'echo "$GREETING"; pwd; cat; echo "${HOME:+home is set}"'],
+        env={"GREETING": "hello guest"},
+        cwd="/tmp",
+        stdin=b"piped\x00bytes\n",
+    )
 
     assert result.stdout_bytes == b"hello guest\n/tmp\npiped\x00bytes\nhome is set\n"
 
@@ -87,7 +91,8 @@ def test_huge_output_on_both_streams_comes_back_intact(vm: VM) -> None:
         "    sys.stderr.buffer.write(b'e' * 100000)\n"
     )
 
-    result = vm.exec(["python3", "-c", writer], check=True)
+    result = vm.exec(["python3", "-c", writer], check=True, max_output=40_000_000)
 
+    assert not result.truncated
     assert len(result.stdout_bytes) == 40_000_000 and set(result.stdout_bytes) == {ord("o")}
     assert len(result.stderr_bytes) == 4_000_000 and set(result.stderr_bytes) == {ord("e")}

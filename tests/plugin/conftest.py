@@ -19,12 +19,9 @@ from pytest_forkd import paths
 USER_CACHE = paths.cache_dir()
 
 
-
-
 def assert_nothing_left(shm_dir: Path) -> None:
     """No QEMU (or anything else) still uses the run's shm directory, and no run directory is left in it."""
-    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.2),
-                                     reraise=True):
+    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.2), reraise=True):
         with attempt:
             assert processes_mentioning(str(shm_dir)) == []
     assert sorted(path.name for path in shm_dir.glob("*")) == []

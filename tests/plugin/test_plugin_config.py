@@ -30,8 +30,12 @@ def test_bad_marker_fails_before_any_vm_starts(pytester, run_forkd):
     """)
     result = run_forkd()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*forkd marker on test_bad_marker_fails_before_any_vm_starts.py::test_x: "
-                                 "backend: unknown storage backend 'zfs'*"])
+    result.stderr.fnmatch_lines(
+        [
+            "*forkd marker on test_bad_marker_fails_before_any_vm_starts.py::test_x: "
+            "backend: unknown storage backend 'zfs'*"
+        ]
+    )
 
 
 def test_bad_option_value(pytester, run_forkd, monkeypatch):
@@ -42,6 +46,7 @@ def test_bad_option_value(pytester, run_forkd, monkeypatch):
     result.stderr.fnmatch_lines(["*PYTEST_FORKD_POOL: expected a whole number >= 0*"])
 
 
+@pytest.mark.vm  # boots QEMU in the inner pytest run
 def test_plugin_is_inert_without_forkd_fixtures(pytester, run_forkd, shm_dir):
     pytester.makepyfile("def test_plain(): assert 1 + 1 == 2")
     result = run_forkd("--forkd-budget=fork.p95=1")

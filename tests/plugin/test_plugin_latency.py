@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import tenacity
@@ -51,7 +52,8 @@ def test_missing_baseline_warns_and_passes(pytester, run_forkd):
 
 
 def test_branch_pause_budget_violation_names_the_test_and_figure(pytester, run_forkd):
-    pytester.makepyfile(test_dirty="""
+    pytester.makepyfile(
+        test_dirty="""
         import pytest
 
         def test_small_change(forkd_vm, forkd_checkpoint):
@@ -63,14 +65,17 @@ def test_branch_pause_budget_violation_names_the_test_and_figure(pytester, run_f
             forkd_vm.exec(["python3", "-c", "b = bytearray(b'x') * (48 << 20)"], check=True)
             with forkd_checkpoint(forkd_vm):
                 pass
-    """)
+    """
+    )
     result = run_forkd()
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=1, failed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines([
-        "*latency budget violations (exit status 1):*",
-        "*test_dirty.py::test_dirties_a_lot_then_branches*branch_pause*max*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*latency budget violations (exit status 1):*",
+            "*test_dirty.py::test_dirties_a_lot_then_branches*branch_pause*max*",
+        ]
+    )
     assert "test_small_change" not in result.stdout.str().split("latency budget violations")[1]
 
     whole_run = run_forkd("--forkd-budget", "branch_pause.p50=1")
@@ -104,25 +109,46 @@ def test_waits(forkd_vm):
 """
 
 
-def _start_inner_pytest(pytester: pytest.Pytester, store: Path) -> tuple[subprocess.Popen, int]:
-    pytester.makepyfile(test_slow=SLOW_SUITE)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--forkd-store={store}", "test_slow.py"],
-        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    started = pytester.path / "vm-started"
-    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(120), wait=tenacity.wait_fixed(0.2),
-                                     reraise=True):
-        with attempt:
-            assert started.exists() and started.read_text(), "the inner test never started its VM"
-    return process, int(started.read_text())
+@pytest.fixture
+def inner_pytest(pytester: pytest.Pytester, shared_store: Path) -> Iterator[Callable[[], tuple[subprocess.Popen, int]]]:
+    """Starts the slow inner suite; whatever the test does (or if it times out), the subprocess is killed."""
+    started_processes: list[subprocess.Popen] = []
+
+    def start() -> tuple[subprocess.Popen, int]:
+        pytester.makepyfile(test_slow=SLOW_SUITE)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--forkd-store={shared_store}", "test_slow.py"],
+            cwd=pytester.path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        started_processes.append(process)
+        started = pytester.path / "vm-started"
+        for attempt in tenacity.Retrying(
+            stop=tenacity.stop_after_delay(120), wait=tenacity.wait_fixed(0.2), reraise=True
+        ):
+            with attempt:
+                assert process.poll() is None, f"the inner pytest exited early: {process.communicate()[0]}"
+                assert started.exists() and started.read_text(), "the inner test never started its VM"
+        return process, int(started.read_text())
+
+    yield start
+    for process in started_processes:
+        if process.poll() is None:
+            process.kill()
+        try:
+            process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-def test_ctrl_c_mid_run_kills_every_vm(pytester, shm_dir, shared_store):
-    process, qemu_pid = _start_inner_pytest(pytester, shared_store)
+def test_ctrl_c_mid_run_kills_every_vm(inner_pytest, shm_dir):
+    process, qemu_pid = inner_pytest()
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == pytest.ExitCode.INTERRUPTED, output
@@ -131,12 +157,11 @@ def test_ctrl_c_mid_run_kills_every_vm(pytester, shm_dir, shared_store):
     assert list(shm_dir.glob("run-*")) == []
 
 
-def test_kill_9_mid_run_then_next_run_starts_clean(pytester, run_forkd, shm_dir, shared_store):
-    process, qemu_pid = _start_inner_pytest(pytester, shared_store)
+def test_kill_9_mid_run_then_next_run_starts_clean(pytester, inner_pytest, run_forkd, shm_dir):
+    process, qemu_pid = inner_pytest()
     process.kill()
     process.communicate(timeout=60)
-    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.1),
-                                     reraise=True):
+    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.1), reraise=True):
         with attempt:
             assert _gone(qemu_pid), "QEMU outlived the killed pytest"
     stale = list(shm_dir.glob("run-*"))

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pytest_forkd.errors import ConfigError
-from pytest_forkd.project import EMPTY_PROJECT, FileCopy, load_project, parse_project
+from pytest_forkd.project.config import EMPTY_PROJECT, FileCopy, load_project, parse_project
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -24,7 +24,10 @@ def parse(tmp_path: Path, data: object):
 def test_full_project_is_parsed(tmp_path):
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "lint.sh").write_text("#!/bin/sh\n")
-    project = load_project(write(tmp_path, """
+    project = load_project(
+        write(
+            tmp_path,
+            """
 settings: {snapshot: web, pool: 2, keep_failed: true, store: snaps}
 snapshots:
   tools:
@@ -39,7 +42,9 @@ snapshots:
     vcpus: 2
 budgets:
   fork: {p95_ms: 300}
-"""))
+""",
+        )
+    )
     tools, web, raw = project.snapshots["tools"], project.snapshots["web"], project.snapshots["raw"]
     assert tools.source == "base" and tools.source_image is None
     assert dict(tools.env) == {"LEVEL": "3"}
@@ -47,8 +52,12 @@ budgets:
     assert tools.setup == ("chmod +x /usr/local/bin/lint",)
     assert web.source == "tools" and web.memory_mib == 512
     assert raw.source_image == "minimal" and raw.vcpus == 2
-    assert dict(project.settings) == {"snapshot": "web", "pool": 2, "keep_failed": True,
-                                      "store": (tmp_path / "snaps").absolute()}
+    assert dict(project.settings) == {
+        "snapshot": "web",
+        "pool": 2,
+        "keep_failed": True,
+        "store": (tmp_path / "snaps").absolute(),
+    }
     assert [(b.op, b.stat, b.limit_ms) for b in project.budgets] == [("fork", "p95", 300.0)]
     assert project.snapshot_names() == ["base", "raw", "tools", "web"]
 
@@ -59,28 +68,46 @@ def test_empty_file_is_an_empty_project(tmp_path):
     assert EMPTY_PROJECT.snapshot_names() == ["base"]
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"snapshots": {"web": {"setup": ["ok", "fine", 3]}}}, "forkd.yaml: snapshots.web.setup[2]: expected a string"),
-    ({"snapshots": {"web": {"setup": "make"}}}, "forkd.yaml: snapshots.web.setup: expected a list of shell commands"),
-    ({"snapshots": {"web": {"colour": "red"}}}, "forkd.yaml: snapshots.web.colour: unknown key; valid keys: from,"),
-    ({"snapshots": {"web": {"memory_mib": "lots"}}}, "forkd.yaml: snapshots.web.memory_mib: expected a whole number"),
-    ({"snapshots": {"web": {"from": "nope"}}}, "forkd.yaml: snapshots.web.from: unknown snapshot 'nope'; declared "
-                                               "snapshots: base, web"),
-    ({"snapshots": {"web": {"from": "image:no/pe"}}}, "forkd.yaml: snapshots.web.from: invalid image name"),
-    ({"snapshots": {"base": {}}}, "forkd.yaml: snapshots.base: 'base' is built in"),
-    ({"snapshots": {"bad name": {}}}, "forkd.yaml: snapshots.bad name: invalid snapshot name"),
-    ({"snapshots": {"a": {"from": "b"}, "b": {"from": "a"}}},
-     "forkd.yaml: snapshots.a.from: snapshots start from each other in a loop: a -> b -> a"),
-    ({"snapshots": {"web": {"env": {"A": [1]}}}}, "forkd.yaml: snapshots.web.env.A: expected a string or number"),
-    ({"snapshots": {"web": {"files": {"missing.txt": "/x"}}}},
-     "forkd.yaml: snapshots.web.files.missing.txt: no such file"),
-    ({"settings": {"pool": -1}}, "forkd.yaml: settings.pool: expected a whole number >= 0"),
-    ({"settings": {"keep_failed": "yes"}}, "forkd.yaml: settings.keep_failed: expected true or false"),
-    ({"settings": {"speed": 1}}, "forkd.yaml: settings.speed: unknown key; valid keys: snapshot, backend"),
-    ({"budgets": {"fork": {"p95_ms": "x"}}}, "forkd.yaml: budgets.fork.p95_ms: expected a positive number"),
-    ({"snapshot": {}}, "forkd.yaml: snapshot: unknown key; valid keys: settings, snapshots, budgets"),
-    (["a list"], "forkd.yaml: expected a mapping with keys settings, snapshots, budgets"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"snapshots": {"web": {"setup": ["ok", "fine", 3]}}}, "forkd.yaml: snapshots.web.setup[2]: expected a string"),
+        (
+            {"snapshots": {"web": {"setup": "make"}}},
+            "forkd.yaml: snapshots.web.setup: expected a list of shell commands",
+        ),
+        ({"snapshots": {"web": {"colour": "red"}}}, "forkd.yaml: snapshots.web.colour: unknown key; valid keys: from,"),
+        (
+            {"snapshots": {"web": {"memory_mib": "lots"}}},
+            "forkd.yaml: snapshots.web.memory_mib: expected a whole number",
+        ),
+        (
+            {"snapshots": {"web": {"from": "nope"}}},
+            "forkd.yaml: snapshots.web.from: unknown snapshot 'nope'; declared snapshots: base, web",
+        ),
+        ({"snapshots": {"web": {"from": "image:no/pe"}}}, "forkd.yaml: snapshots.web.from: invalid image name"),
+        (
+            {"snapshots": {"base": {"from": "base"}}},
+            "forkd.yaml: snapshots.base.from: snapshots start from each other in a loop: base -> base",
+        ),
+        ({"snapshots": {"bad name": {}}}, "forkd.yaml: snapshots.bad name: invalid snapshot name"),
+        (
+            {"snapshots": {"a": {"from": "b"}, "b": {"from": "a"}}},
+            "forkd.yaml: snapshots.a.from: snapshots start from each other in a loop: a -> b -> a",
+        ),
+        ({"snapshots": {"web": {"env": {"A": [1]}}}}, "forkd.yaml: snapshots.web.env.A: expected a string or number"),
+        (
+            {"snapshots": {"web": {"files": {"missing.txt": "/x"}}}},
+            "forkd.yaml: snapshots.web.files.missing.txt: no such file",
+        ),
+        ({"settings": {"pool": -1}}, "forkd.yaml: settings.pool: expected a whole number >= 0"),
+        ({"settings": {"keep_failed": "yes"}}, "forkd.yaml: settings.keep_failed: expected true or false"),
+        ({"settings": {"speed": 1}}, "forkd.yaml: settings.speed: unknown key; valid keys: snapshot, backend"),
+        ({"budgets": {"fork": {"p95_ms": "x"}}}, "forkd.yaml: budgets.fork.p95_ms: expected a positive number"),
+        ({"snapshot": {}}, "forkd.yaml: snapshot: unknown key; valid keys: settings, images, snapshots, budgets"),
+        (["a list"], "forkd.yaml: expected a mapping with keys settings, images, snapshots, budgets"),
+    ],
+)
 def test_errors_name_the_field_path(tmp_path, data, message):
     with pytest.raises(ConfigError) as error:
         parse(tmp_path, data)

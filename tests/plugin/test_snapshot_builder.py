@@ -7,10 +7,10 @@ import os
 import pytest
 
 from pytest_forkd.errors import ConfigError, SnapshotError
-from pytest_forkd.project import parse_project
-from pytest_forkd.snapshot import Snapshot
-from pytest_forkd.snapshot_builder import publish_copy, unknown_snapshot_error
-from pytest_forkd.store import SnapshotStore
+from pytest_forkd.project.config import parse_project
+from pytest_forkd.project.snapshot_builder import publish_copy, unknown_snapshot_error
+from pytest_forkd.storage.snapshot import Snapshot
+from pytest_forkd.storage.store import SnapshotStore
 
 MIB = 1 << 20
 
@@ -23,10 +23,20 @@ def flat_snapshot(store: SnapshotStore, tag: str, marker: bytes) -> Snapshot:
             memory.truncate(8 * MIB)
             memory.seek(4 * MIB)
             memory.write(marker)
-        return pending.publish(Snapshot(
-            tag=tag, path=pending.dir, backend="full", memory_mib=8, vcpus=1, image="default",
-            fingerprint={"qemu": "7.2"}, state_file="state.bin", memory_file="memory.ram", extra={"kept": 1},
-        ))
+        return pending.publish(
+            Snapshot(
+                tag=tag,
+                path=pending.dir,
+                backend="full",
+                memory_mib=8,
+                vcpus=1,
+                image="default",
+                fingerprint={"qemu": "7.2"},
+                state_file="state.bin",
+                memory_file="memory.ram",
+                extra={"kept": 1},
+            )
+        )
 
 
 def test_publish_copy_replaces_and_keeps_holes(tmp_path):
@@ -34,13 +44,14 @@ def test_publish_copy_replaces_and_keeps_holes(tmp_path):
     old = publish_copy(flat_snapshot(staging, "old", b"first"), persistent, "tools")
     old_memory = open(old.memory_path, "rb")  # a child mapping the old snapshot keeps its files
 
-    published = publish_copy(flat_snapshot(staging, "new", b"second"), persistent, "tools",
-                             extra={"recipe_hash": "abc"})
+    published = publish_copy(
+        flat_snapshot(staging, "new", b"second"), persistent, "tools", extra={"recipe_hash": "abc"}
+    )
 
     assert published.tag == "tools" and published.path == persistent.root / "tools"
     assert dict(persistent.get("tools").extra) == {"kept": 1, "recipe_hash": "abc"}
     memory = published.memory_path.read_bytes()
-    assert len(memory) == 8 * MIB and memory[4 * MIB:4 * MIB + 6] == b"second"
+    assert len(memory) == 8 * MIB and memory[4 * MIB : 4 * MIB + 6] == b"second"
     assert os.stat(published.memory_path).st_blocks * 512 < MIB  # holes stayed holes
     assert published.state_path.read_bytes() == b"device state second"
     old_memory.seek(4 * MIB)
@@ -49,8 +60,18 @@ def test_publish_copy_replaces_and_keeps_holes(tmp_path):
 
 
 def test_publish_copy_refuses_diffs(tmp_path):
-    diff = Snapshot(tag="d", path=tmp_path, backend="diff", memory_mib=8, vcpus=1, image="default",
-                    fingerprint={}, state_file="state.bin", base="base", diff_file="memory.diff")
+    diff = Snapshot(
+        tag="d",
+        path=tmp_path,
+        backend="diff",
+        memory_mib=8,
+        vcpus=1,
+        image="default",
+        fingerprint={},
+        state_file="state.bin",
+        base="base",
+        diff_file="memory.diff",
+    )
     with pytest.raises(SnapshotError, match="is a diff against 'base'; only a flat snapshot"):
         publish_copy(diff, SnapshotStore(tmp_path / "store"), "copy")
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from pytest_forkd.errors import ExecError, ExecTimeout
-from pytest_forkd.exec_result import ExecRecord, ExecResult, describe_outcome
+from pytest_forkd.guest.exec_result import ExecResult, describe_outcome
 
 
 def make(exit_code: int = 0, stdout: bytes = b"", stderr: bytes = b"", **fields) -> ExecResult:
@@ -76,13 +76,32 @@ def test_command_line_quotes_argv_and_keeps_shell_strings() -> None:
     assert ExecResult("echo a | wc -l", 0, b"", b"", 1.0).command_line == "echo a | wc -l"
 
 
-def test_record_summarises_without_output() -> None:
-    record = make(1, b"x" * 1000).record()
-
-    assert record == ExecRecord("make test", 1, 12.5, False)
-    assert str(record) == "$ make test  # exited with code 1, 12 ms"
-
-
 def test_result_is_immutable() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         make().exit_code = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        ({"exit_code": 0}, 0),
+        ({"exit_code": 3}, 3),
+        ({"exit_code": -15}, 143),
+        ({"exit_code": -9, "oom_killed": True}, 137),
+        ({"exit_code": -9, "timed_out": True}, 124),
+    ],
+)
+def test_exit_status_is_what_a_shell_would_report(fields: dict, status: int) -> None:
+    assert make(**fields).exit_status == status
+
+
+def test_signal_follows_a_negative_exit_code() -> None:
+    assert (make(-11).signal, make(2).signal) == (11, None)
+
+
+def test_oom_kill_and_truncation_show_in_repr_and_failure_message() -> None:
+    result = make(-9, oom_killed=True, truncated=True, stdout=b"x" * 100)
+
+    assert "oom_killed=True" in repr(result) and "truncated=True" in repr(result)
+    with pytest.raises(ExecError, match="out-of-memory killer"):
+        result.check()

@@ -8,20 +8,11 @@ import subprocess
 
 import pytest
 
-from pytest_forkd import baseline
-from pytest_forkd.baseline import (
-    build_run,
-    compare,
-    compare_with_baseline,
-    find_baseline,
-    list_runs,
-    load_run,
-    parse_compare_fail,
-    save_run,
-    storage_dir,
-)
 from pytest_forkd.errors import ConfigError
-from pytest_forkd.timings import Recorder, Sample
+from pytest_forkd.latency import runs
+from pytest_forkd.latency.compare import compare, compare_with_baseline, parse_compare_fail
+from pytest_forkd.latency.runs import build_run, find_baseline, list_runs, load_run, save_run, storage_dir
+from pytest_forkd.latency.timings import Recorder, Sample
 
 
 def _draw(seed: int, n: int, scale: float = 1.0, op: str = "fork", test: str | None = None) -> list[Sample]:
@@ -38,13 +29,13 @@ def _doc(*sample_lists: list[Sample], conditions: dict | None = None) -> dict:
 
 
 def test_machine_id_looks_like_pytest_benchmarks():
-    assert re.fullmatch(r"[A-Za-z]+-[A-Za-z]+-\d+\.\d+-\d+bit", baseline.machine_id())
+    assert re.fullmatch(r"[A-Za-z]+-[A-Za-z]+-\d+\.\d+-\d+bit", runs.machine_id())
 
 
 def test_save_run_counts_up_per_machine_folder(tmp_path):
     first = save_run(tmp_path, _draw(1, 5), name="before")
     second = save_run(tmp_path, _draw(2, 5))
-    assert first == tmp_path / ".forkd" / "benchmarks" / baseline.machine_id() / "0001_before.json"
+    assert first == tmp_path / ".forkd" / "benchmarks" / runs.machine_id() / "0001_before.json"
     assert second.name == "0002_unversioned.json"
     assert list_runs(tmp_path) == [first, second]
     assert not [p for p in storage_dir(tmp_path).iterdir() if p.name.endswith(".partial")]
@@ -88,14 +79,14 @@ def test_run_name_and_commit_info_come_from_git(tmp_path):
     assert info["time"]
 
     (tmp_path / "code.py").write_text("x = 2\n")
-    assert baseline.commit_info(tmp_path)["dirty"] is True
+    assert runs.commit_info(tmp_path)["dirty"] is True
 
 
 def test_commit_info_is_absent_outside_a_repository(tmp_path):
     # GIT_CEILING_DIRECTORIES is not needed: tmp_path has no .git and no git parent.
     if subprocess.run(["git", "rev-parse"], cwd=tmp_path, capture_output=True).returncode == 0:
         pytest.skip("the temporary directory lies inside a git checkout")
-    assert baseline.commit_info(tmp_path) is None
+    assert runs.commit_info(tmp_path) is None
     assert "commit_info" not in build_run(_draw(1, 1), root=tmp_path)
 
 
@@ -216,6 +207,7 @@ def test_noisy_draws_of_one_distribution_do_not_regress():
     assert comparison.regressions == []
 
 
+@pytest.mark.slow  # many simulated runs
 def test_false_regressions_between_equal_distributions_stay_below_alpha():
     false_alarms = sum(
         bool(compare(_doc(_draw(seed, 50)), _doc(_draw(10_000 + seed, 50)), [P95_20]).regressions)
@@ -242,6 +234,7 @@ def test_many_checks_are_corrected_for_multiple_comparisons():
     assert max(f.p_limit for row in comparison.rows for f in row.findings if f.p_limit) <= 0.05 / 2
 
 
+@pytest.mark.slow  # thousands of resamples
 def test_a_slower_suite_regresses_despite_the_correction():
     comparison = compare(_doc(_suite(0)), _doc(_suite(100, scale=1.5)), [P95_20])
     assert {(r.op, r.test) for r in comparison.regressions} >= {("fork", None), ("exec", None)}

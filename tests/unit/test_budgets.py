@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from pytest_forkd.budgets import (
+from pytest_forkd.errors import ConfigError
+from pytest_forkd.latency.budgets import (
     MARKER_HELP,
     Budget,
     budget_from_cli,
@@ -12,8 +13,7 @@ from pytest_forkd.budgets import (
     check,
     resolve,
 )
-from pytest_forkd.errors import ConfigError
-from pytest_forkd.timings import Sample
+from pytest_forkd.latency.timings import Sample
 
 FORKD_YAML = """
 budgets:

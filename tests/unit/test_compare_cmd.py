@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from pytest_forkd.baseline import build_run, save_run
 from pytest_forkd.cli import main
-from pytest_forkd.timings import Sample
+from pytest_forkd.latency.runs import build_run, save_run
+from pytest_forkd.latency.timings import Sample
 
 
 def _samples(seed: int, n: int, scale: float = 1.0) -> list[Sample]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_forkd.engine.host import QEMU_PACKAGE, find_qemu, qemu_binary
+from pytest_forkd.engine.qemu.host import QEMU_PACKAGE, find_qemu, qemu_binary
 from pytest_forkd.errors import HostNotReady
 
 

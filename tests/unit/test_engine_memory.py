@@ -16,8 +16,8 @@ from typing import Iterator
 import pytest
 
 from pytest_forkd.engine import memory
-from pytest_forkd.engine.host import pagemap_scan_problem
 from pytest_forkd.engine.memory import PAGE_SIZE
+from pytest_forkd.engine.qemu.host import pagemap_scan_problem
 
 PAGES = 64
 
@@ -28,8 +28,9 @@ def private_mapping(tmp_path: Path) -> Iterator[tuple[mmap.mmap, int]]:
     ram = tmp_path / "memory.ram"
     ram.write_bytes(b"F" * PAGES * PAGE_SIZE)
     with open(ram, "r+b") as handle:
-        mapping = mmap.mmap(handle.fileno(), PAGES * PAGE_SIZE, flags=mmap.MAP_PRIVATE,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(
+            handle.fileno(), PAGES * PAGE_SIZE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the temporary export ends here
     try:
         yield mapping, address
@@ -38,7 +39,7 @@ def private_mapping(tmp_path: Path) -> Iterator[tuple[mmap.mmap, int]]:
 
 
 def write_page(mapping: mmap.mmap, page: int, fill: bytes) -> None:
-    mapping[page * PAGE_SIZE:(page + 1) * PAGE_SIZE] = fill * PAGE_SIZE
+    mapping[page * PAGE_SIZE : (page + 1) * PAGE_SIZE] = fill * PAGE_SIZE
 
 
 @pytest.mark.skipif(pagemap_scan_problem() is not None, reason=str(pagemap_scan_problem()))
@@ -70,8 +71,8 @@ def test_copy_out_and_in_through_proc_mem(private_mapping: tuple[mmap.mmap, int]
         assert memory.copy_in(os.getpid(), address, diff, ranges) == 2 * PAGE_SIZE
     finally:
         os.close(diff)
-    assert mapping[3 * PAGE_SIZE:5 * PAGE_SIZE] == b"a" * PAGE_SIZE + b"b" * PAGE_SIZE
-    assert mapping[2 * PAGE_SIZE:3 * PAGE_SIZE] == b"F" * PAGE_SIZE
+    assert mapping[3 * PAGE_SIZE : 5 * PAGE_SIZE] == b"a" * PAGE_SIZE + b"b" * PAGE_SIZE
+    assert mapping[2 * PAGE_SIZE : 3 * PAGE_SIZE] == b"F" * PAGE_SIZE
 
 
 def sparse_file(path: Path, extents: list[tuple[int, bytes]], size: int) -> None:

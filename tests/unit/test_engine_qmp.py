@@ -6,13 +6,16 @@ import array
 import json
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
-from pytest_forkd.engine.qmp import QMPClient, QMPError
+from pytest_forkd.engine.qemu import qmp as qmp_module
+from pytest_forkd.engine.qemu.qmp import QMPClient, QMPConnectionError, QMPError
+from pytest_forkd.errors import ForkdError
 
 GREETING = {"QMP": {"version": {"qemu": {"major": 7, "minor": 2, "micro": 22}}, "capabilities": []}}
 
@@ -103,7 +106,7 @@ def test_connecting_negotiates_capabilities_and_reads_the_version(serve: Callabl
         client.close()
 
 
-def test_events_are_kept_and_replies_to_other_requests_skipped(serve: Callable[..., FakeQMPServer]) -> None:
+def test_events_and_replies_to_other_requests_are_skipped(serve: Callable[..., FakeQMPServer]) -> None:
     def handler(command: dict, fds: list[int]) -> list[dict]:
         return [
             {"event": "STOP", "timestamp": {"seconds": 1, "microseconds": 0}},
@@ -115,7 +118,6 @@ def test_events_are_kept_and_replies_to_other_requests_skipped(serve: Callable[.
     client = QMPClient(str(serve(handler).path))
     try:
         assert client.execute("query-status") == {"status": "paused"}
-        assert [event["event"] for event in client.events] == ["STOP", "MIGRATION"]
     finally:
         client.close()
 
@@ -198,3 +200,136 @@ def test_wait_until_polls_and_gives_up_naming_what_it_waited_for(serve: Callable
             client.wait_until(lambda: False, timeout=0.05, what="the device state to load", interval=0.001)
     finally:
         client.close()
+
+
+# -- transport failures: every one is a ForkdError and leaves no socket open -------------------
+
+
+class RawServer:
+    """Accepts one connection and does ``behaviour(connection)`` with it: resets, garbage, silence."""
+
+    def __init__(self, path: Path, behaviour: Callable[[socket.socket], None]) -> None:
+        self.path = path
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        self._listener.listen(1)
+        self._done = threading.Event()
+
+        def serve() -> None:
+            connection, _ = self._listener.accept()
+            try:
+                behaviour(connection)
+            finally:
+                self._done.wait(5)
+                connection.close()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+
+def reset_at_once(connection: socket.socket) -> None:
+    """What QEMU aborting right after accepting the monitor connection looks like: a TCP-style reset."""
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    connection.close()
+
+
+def greet_then(behaviour: Callable[[socket.socket], None]) -> Callable[[socket.socket], None]:
+    def run(connection: socket.socket) -> None:
+        connection.sendall(json.dumps(GREETING).encode() + b"\r\n")
+        capabilities = json.loads(connection.recv(65536))
+        connection.sendall(json.dumps({"return": {}, "id": capabilities["id"]}).encode() + b"\r\n")
+        connection.recv(65536)  # the command under test
+        behaviour(connection)
+
+    return run
+
+
+@pytest.fixture
+def raw(tmp_path: Path) -> Iterator[Callable[[Callable[[socket.socket], None]], RawServer]]:
+    servers: list[RawServer] = []
+
+    def start(behaviour: Callable[[socket.socket], None]) -> RawServer:
+        server = RawServer(tmp_path / f"raw{len(servers)}.sock", behaviour)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def client_sockets(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
+    """Every socket the QMP client creates, to check that a failure leaves each one closed."""
+    created: list[socket.socket] = []
+    real = socket.socket
+
+    def recording(*args: object, **kwargs: object) -> socket.socket:
+        sock = real(*args, **kwargs)
+        if sys._getframe(1).f_globals.get("__name__") == qmp_module.__name__:
+            created.append(sock)
+        return sock
+
+    monkeypatch.setattr(qmp_module.socket, "socket", recording)
+    return created
+
+
+@pytest.mark.parametrize(
+    "behaviour, message",
+    [
+        (lambda connection: connection.close(), "closed the connection"),
+        (lambda connection: connection.sendall(b"{not json\n"), "malformed message"),
+        (lambda connection: connection.sendall(b"\xff\xfe\n"), "malformed message"),
+        (lambda connection: None, "sent no greeting within 0.2 s"),
+    ],
+)
+def test_a_broken_greeting_is_a_connection_error_and_closes_the_socket(raw, client_sockets, behaviour, message) -> None:
+    server = raw(behaviour)
+    with pytest.raises(QMPConnectionError, match=message) as info:
+        QMPClient(str(server.path), greeting_timeout=0.2)
+    assert isinstance(info.value, ForkdError)
+    assert len(client_sockets) == 1 and client_sockets[0].fileno() == -1
+
+
+def test_a_reset_right_after_accepting_is_a_connection_error(raw, client_sockets) -> None:
+    server = raw(reset_at_once)
+    with pytest.raises(QMPConnectionError) as info:
+        QMPClient(str(server.path), greeting_timeout=2)
+    assert not info.value.not_listening_yet
+    assert client_sockets[0].fileno() == -1
+
+
+def test_nobody_listening_is_a_connection_error_that_says_not_yet(tmp_path: Path) -> None:
+    with pytest.raises(QMPConnectionError, match="cannot connect") as info:
+        QMPClient(str(tmp_path / "missing.sock"))
+    assert info.value.not_listening_yet
+
+
+@pytest.mark.parametrize(
+    "behaviour, message",
+    [
+        (reset_at_once, "QMP query-status: "),
+        (lambda connection: connection.sendall(b'{"return": \n'), "malformed message"),
+        (lambda connection: connection.close(), "closed the connection"),
+    ],
+)
+def test_a_transport_failure_during_a_command_closes_the_client(raw, client_sockets, behaviour, message) -> None:
+    client = QMPClient(str(raw(greet_then(behaviour)).path))
+    with pytest.raises(QMPConnectionError, match=message):
+        client.execute("query-status", timeout=2)
+    assert client.closed and client_sockets[0].fileno() == -1
+    with pytest.raises(QMPConnectionError, match="connection is closed"):
+        client.execute("query-status")
+
+
+def test_a_timed_out_command_closes_the_client(serve: Callable[..., FakeQMPServer]) -> None:
+    """A reply that arrives after the timeout would answer the next command: the session is over."""
+    client = QMPClient(str(serve(lambda command, fds: []).path))
+    with pytest.raises(QMPConnectionError, match="did not answer in time"):
+        client.execute("query-migrate", timeout=0.2)
+    assert client.closed

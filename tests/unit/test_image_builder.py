@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pytest_forkd.commands import image_cmd
+from pytest_forkd.cli import image_cmd
 from pytest_forkd.errors import ConfigError, ImageError, UnknownImage
 from pytest_forkd.image import builder, catalog, list_images, load_image
 from pytest_forkd.image.recipe import load_default_recipe, load_recipe
@@ -57,8 +57,13 @@ class FakePipeline:
         if self.fail:
             raise ImageError("the fake pipeline failed halfway")
         manifest = {
-            "name": name, "key": key, "created": "2026-01-01T00:00:00+00:00", "created_unix": time.time(),
-            "build_seconds": self.delay, "kernel_args": list(recipe.kernel_args), "env": dict(recipe.env),
+            "name": name,
+            "key": key,
+            "created": "2026-01-01T00:00:00+00:00",
+            "created_unix": time.time(),
+            "build_seconds": self.delay,
+            "kernel_args": list(recipe.kernel_args),
+            "env": dict(recipe.env),
         }
         (output / catalog.MANIFEST_FILE).write_text(json.dumps(manifest))
         return output
@@ -75,7 +80,9 @@ def quiet(message: str) -> None:
     pass
 
 
-def test_key_is_stable_and_tracks_content(tmp_path: Path, guest_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_is_stable_and_tracks_content(
+    tmp_path: Path, guest_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     default = load_default_recipe()
     key = builder.image_key(default)
     assert key == builder.image_key(load_default_recipe())
@@ -85,6 +92,8 @@ def test_key_is_stable_and_tracks_content(tmp_path: Path, guest_sources: dict[st
     recipe_path.write_text("packages: [git]\n")
     assert builder.image_key(load_recipe(recipe_path)) != key
     recipe_path.write_text("env: {A: b}\n")
+    assert builder.image_key(load_recipe(recipe_path)) != key
+    recipe_path.write_text("release: trixie\n")  # another Debian release is another image
     assert builder.image_key(load_recipe(recipe_path)) != key
     recipe_path.write_text("packages: []\n")  # adds nothing to the default: same content, same key
     assert builder.image_key(load_recipe(recipe_path)) == key
@@ -108,7 +117,9 @@ def test_build_publishes_image_and_name(cache: Path, guest_sources: dict[str, Pa
     assert list(cache.joinpath("images").glob(".build-*")) == []
 
 
-def test_second_build_is_a_cache_hit_and_force_rebuilds(cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline) -> None:
+def test_second_build_is_a_cache_hit_and_force_rebuilds(
+    cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline
+) -> None:
     first = builder.build_image(progress=quiet)
     second = builder.build_image(progress=quiet)
     assert pipeline.builds == [first.key]
@@ -118,7 +129,9 @@ def test_second_build_is_a_cache_hit_and_force_rebuilds(cache: Path, guest_sourc
     assert forced.key == first.key and forced.initrd.is_file()
 
 
-def test_concurrent_builds_of_one_key_build_once(cache: Path, guest_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_concurrent_builds_of_one_key_build_once(
+    cache: Path, guest_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake = FakePipeline(delay=0.3)
     monkeypatch.setattr(builder, "_run_pipeline", fake)
     messages: list[str] = []
@@ -137,7 +150,9 @@ def test_concurrent_builds_of_one_key_build_once(cache: Path, guest_sources: dic
     assert any("waiting for another build" in message for message in messages)
 
 
-def test_failed_build_leaves_nothing_behind(cache: Path, guest_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_build_leaves_nothing_behind(
+    cache: Path, guest_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(builder, "_run_pipeline", FakePipeline(fail=True))
     with pytest.raises(ImageError, match="failed halfway"):
         builder.build_image(progress=quiet)
@@ -147,7 +162,9 @@ def test_failed_build_leaves_nothing_behind(cache: Path, guest_sources: dict[str
         load_image("default")
 
 
-def test_stale_build_directory_is_removed_by_the_next_build(cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline) -> None:
+def test_stale_build_directory_is_removed_by_the_next_build(
+    cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline
+) -> None:
     key = builder.image_key(load_default_recipe())
     stale = cache / "images" / f".build-{key}-killed"
     stale.mkdir(parents=True)
@@ -155,15 +172,22 @@ def test_stale_build_directory_is_removed_by_the_next_build(cache: Path, guest_s
     assert not stale.exists()
 
 
-def test_unknown_image_says_how_to_build_it(cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline) -> None:
-    with pytest.raises(UnknownImage, match=r"no image named 'tools'; build it with `forkd image build --name tools \[--recipe FILE\]`; built images: none yet"):
+def test_unknown_image_says_how_to_build_it(
+    cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline
+) -> None:
+    with pytest.raises(
+        UnknownImage,
+        match=r"no image named 'tools'; build it with `forkd image build --name tools \[--recipe FILE\]`; built images: none yet",
+    ):
         load_image("tools")
     builder.build_image(progress=quiet)
     with pytest.raises(UnknownImage, match="built images: default$"):
         load_image("tools")
 
 
-def test_names_point_at_keys_and_share_images(cache: Path, tmp_path: Path, guest_sources: dict[str, Path], pipeline: FakePipeline) -> None:
+def test_names_point_at_keys_and_share_images(
+    cache: Path, tmp_path: Path, guest_sources: dict[str, Path], pipeline: FakePipeline
+) -> None:
     recipe = tmp_path / "tools.yaml"
     recipe.write_text("env: {TOOL: yes-please}\nkernel_args: [loglevel=3]\n")
     tools = builder.build_image(recipe, progress=quiet)
@@ -177,7 +201,9 @@ def test_names_point_at_keys_and_share_images(cache: Path, tmp_path: Path, guest
     assert default.key != tools.key
 
 
-def test_default_name_is_reserved_for_the_builtin_recipe(cache: Path, tmp_path: Path, guest_sources: dict[str, Path], pipeline: FakePipeline) -> None:
+def test_default_name_is_reserved_for_the_builtin_recipe(
+    cache: Path, tmp_path: Path, guest_sources: dict[str, Path], pipeline: FakePipeline
+) -> None:
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("packages: [git]\n")
     with pytest.raises(ConfigError, match="reserved for the built-in recipe"):
@@ -185,7 +211,9 @@ def test_default_name_is_reserved_for_the_builtin_recipe(cache: Path, tmp_path: 
     assert pipeline.builds == []
 
 
-def test_ensure_image_builds_default_but_not_other_names(cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline) -> None:
+def test_ensure_image_builds_default_but_not_other_names(
+    cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline
+) -> None:
     with pytest.raises(UnknownImage):
         builder.ensure_image("tools", progress=quiet)
     image = builder.ensure_image(progress=quiet)
@@ -195,7 +223,9 @@ def test_ensure_image_builds_default_but_not_other_names(cache: Path, guest_sour
     assert upgraded.key != image.key and len(pipeline.builds) == 2
 
 
-def test_cli_build_and_ls(cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_build_and_ls(
+    cache: Path, guest_sources: dict[str, Path], pipeline: FakePipeline, capsys: pytest.CaptureFixture[str]
+) -> None:
     parser = argparse.ArgumentParser(prog="forkd")
     image_cmd.add_parser(parser.add_subparsers(required=True))
 

@@ -31,26 +31,30 @@ def parse_newc(archive: bytes) -> list[Entry]:
     offset = 0
     while True:
         assert offset % 4 == 0
-        header = archive[offset:offset + 110]
+        header = archive[offset : offset + 110]
         assert header[:6] == b"070701", header[:6]
-        fields = [int(header[6 + 8 * index:14 + 8 * index], 16) for index in range(13)]
+        fields = [int(header[6 + 8 * index : 14 + 8 * index], 16) for index in range(13)]
         mode, uid, gid, filesize, rdevmajor, rdevminor, namesize = (
-            fields[1], fields[2], fields[3], fields[6], fields[9], fields[10], fields[11]
+            fields[1],
+            fields[2],
+            fields[3],
+            fields[6],
+            fields[9],
+            fields[10],
+            fields[11],
         )
         name_start = offset + 110
-        name = archive[name_start:name_start + namesize - 1].decode()
+        name = archive[name_start : name_start + namesize - 1].decode()
         assert archive[name_start + namesize - 1] == 0
         data_start = name_start + namesize + (-(110 + namesize) % 4)
-        data = archive[data_start:data_start + filesize]
+        data = archive[data_start : data_start + filesize]
         offset = data_start + filesize + (-filesize % 4)
         if name == "TRAILER!!!":
             return entries
         entries.append(Entry(name, mode, uid, gid, (rdevmajor, rdevminor), data))
 
 
-EXPECTED_NAMES = sorted(
-    ["bin", "bin/sh", "bin/tool", "usr", "usr/lib", "usr/lib/blob", "usr/lib/empty", "dev/console"]
-)
+EXPECTED_NAMES = sorted(["bin", "bin/sh", "bin/tool", "usr", "usr/lib", "usr/lib/blob", "usr/lib/empty", "dev/console"])
 
 
 @pytest.fixture
@@ -94,15 +98,19 @@ def test_tree_round_trips_through_an_independent_reader(tree: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("cpio") is None, reason="GNU cpio is not installed")
 def test_gnu_cpio_lists_the_same_entries(tree: Path, tmp_path: Path) -> None:
-    listing = subprocess.run(
-        ["cpio", "-t", "--quiet"], input=archive_of(tree), capture_output=True, check=True
-    ).stdout.decode().split()
+    listing = (
+        subprocess.run(["cpio", "-t", "--quiet"], input=archive_of(tree), capture_output=True, check=True)
+        .stdout.decode()
+        .split()
+    )
     assert sorted(listing) == EXPECTED_NAMES
     extracted = tmp_path / "out"
     extracted.mkdir()
     subprocess.run(
         ["cpio", "-i", "--quiet", "--make-directories", "--nonmatching", "dev/*"],
-        input=archive_of(tree), cwd=extracted, check=True,
+        input=archive_of(tree),
+        cwd=extracted,
+        check=True,
     )
     assert (extracted / "usr/lib/blob").read_bytes() == (tree / "usr/lib/blob").read_bytes()
     assert os.readlink(extracted / "bin/sh") == "/bin/busybox"

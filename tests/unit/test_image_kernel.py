@@ -6,11 +6,14 @@ import ctypes
 import ctypes.util
 import gzip
 import lzma
+import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from pytest_forkd.errors import ImageError
 from pytest_forkd.image.kernel import LZ4_LEGACY_MAGIC, decompress_bzimage, has_pvh_entry, pvh_kernel
 
 XEN_NOTE_NAME = b"Xen\0"
@@ -108,3 +111,19 @@ def test_pvh_kernel_is_written_only_when_qemu_can_boot_it(tmp_path: Path) -> Non
     vmlinuz.write_bytes(bzimage(gzip.compress(no_entry)))
     assert pvh_kernel(vmlinuz, tmp_path / "other") is None
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="needs the zstd program to make test data")
+def test_zstd_is_undone_without_the_zstd_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_forkd.image import kernel
+
+    data = b"a kernel payload " * 4096
+    piped = subprocess.run(["sh", "-c", "cat | zstd -q"], input=data, capture_output=True, check=True).stdout
+    if kernel._libzstd() is None:
+        pytest.skip("no libzstd on this host")
+    monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
+    # A frame written from a pipe records no size: the kernel's trailer gives it.
+    assert kernel.zstd_decompress(piped, "the kernel", len(data)) == data
+    monkeypatch.setattr(kernel, "_libzstd", lambda: None)
+    with pytest.raises(ImageError, match="neither libzstd nor the zstd program is installed; install zstd"):
+        kernel.zstd_decompress(piped, "the kernel", len(data))

@@ -21,8 +21,29 @@ def test_default_recipe_has_kernel_busybox_and_python() -> None:
     assert recipe.name == "default"
     assert recipe.base == "debian"
     assert recipe.kernel == "linux-image-cloud-amd64"
-    assert {"busybox-static", "python3.11-minimal", "libpython3.11-stdlib"} <= set(recipe.packages)
+    assert recipe.release == "bookworm"
+    assert {"busybox-static", "python3-minimal", "libpython3-stdlib"} <= set(recipe.packages)
+    # The Python version comes from the release's packages, never from the recipe.
+    assert not any(package.startswith(("python3.", "libpython3.")) for package in recipe.packages)
     assert "perl-base" in recipe.exclude
+
+
+def test_a_recipe_names_its_debian_release(tmp_path: Path) -> None:
+    recipe = load_recipe(write_recipe(tmp_path, "name: t13\nrelease: trixie\n"))
+    assert recipe.release == "trixie"
+    assert recipe.packages == load_default_recipe().packages
+    assert recipe.normalized()["release"] == "trixie"
+    assert load_recipe(write_recipe(tmp_path, "name: t12\n")).release == "bookworm"
+    scratch = load_recipe(
+        write_recipe(tmp_path, "extends: none\nbase: debian\nkernel: linux-image-amd64\npackages: [busybox-static]\n")
+    )
+    assert scratch.release == "bookworm"
+
+
+@pytest.mark.parametrize("value", ["Trixie", "", "trixie main", 13, "../x"])
+def test_a_malformed_release_names_the_field(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ConfigError, match="recipe.yaml: release: expected a Debian release name such as bookworm"):
+        load_recipe(write_recipe(tmp_path, f"release: {value!r}\n"))
 
 
 def test_user_recipe_extends_the_default(tmp_path: Path) -> None:
@@ -74,8 +95,10 @@ def test_extends_none_requires_a_kernel(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("files:\n  - {src: ./a.txt, dest: /a}\n  - {src: ./a.txt, dest: tmp/x}\n",
-         "recipe.yaml: files[1].dest: expected an absolute guest path, got 'tmp/x'"),
+        (
+            "files:\n  - {src: ./a.txt, dest: /a}\n  - {src: ./a.txt, dest: tmp/x}\n",
+            "recipe.yaml: files[1].dest: expected an absolute guest path, got 'tmp/x'",
+        ),
         ("packagez: [git]\n", "recipe.yaml: packagez: unknown field; allowed fields are"),
         ("packages: git\n", "recipe.yaml: packages: expected a list, got str 'git'"),
         ("packages: [git, 42]\n", "recipe.yaml: packages[1]: expected a non-empty string, got 42"),
@@ -83,9 +106,14 @@ def test_extends_none_requires_a_kernel(tmp_path: Path) -> None:
         ("files:\n  - {src: ./missing.txt, dest: /x}\n", "recipe.yaml: files[0].src: no such file"),
         ("files:\n  - {src: ./a.txt}\n", "recipe.yaml: files[0].dest: missing"),
         ("files:\n  - {src: ./a.txt, dest: /x, owner: root}\n", "recipe.yaml: files[0].owner: unknown field"),
-        ("files:\n  - {src: ./a.txt, dest: /x, mode: rwx}\n",
-         "recipe.yaml: files[0].mode: expected an octal file mode such as '0o755', got 'rwx'"),
-        ("files:\n  - {src: ./a.txt, dest: /x, mode: 0o17777}\n", "recipe.yaml: files[0].mode: expected a file mode between"),
+        (
+            "files:\n  - {src: ./a.txt, dest: /x, mode: rwx}\n",
+            "recipe.yaml: files[0].mode: expected an octal file mode such as '0o755', got 'rwx'",
+        ),
+        (
+            "files:\n  - {src: ./a.txt, dest: /x, mode: 0o17777}\n",
+            "recipe.yaml: files[0].mode: expected a file mode between",
+        ),
         ("files:\n  - ./a.txt\n", "recipe.yaml: files[0]: expected a mapping with src, dest"),
         ("files:\n  - {src: ., dest: /x}\n", "recipe.yaml: files[0].src: "),
         ("kernel_args: ['a b']\n", "recipe.yaml: kernel_args[0]: expected one argument without spaces"),

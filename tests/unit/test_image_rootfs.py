@@ -57,16 +57,19 @@ def test_module_order_file_lists_modules_in_load_order(tmp_path: Path) -> None:
     for name in ("virtio_ring", "virtio", "virtio_mmio"):
         modules.append(tmp_path / f"{name}.ko")
         modules[-1].write_bytes(name.encode())
-    install_modules(root, KernelParts(
+    install_modules(
+        root,
+        KernelParts(
             release="6.1", vmlinuz=tmp_path / "vmlinuz", boot_image=tmp_path / "vmlinuz", modules=tuple(modules)
-        ),)
+        ),
+    )
     assert (root / "etc/forkd/modules").read_text() == "virtio_ring\nvirtio\nvirtio_mmio\n"
     assert (root / "lib/modules/forkd/virtio.ko").read_bytes() == b"virtio"
 
 
 def test_env_file_survives_shell_metacharacters(tmp_path: Path) -> None:
     env_file = tmp_path / "env"
-    tricky = "it's $HOME; `true` \"quoted\"\nsecond line"
+    tricky = 'it\'s $HOME; `true` "quoted"\nsecond line'
     write_env_file(env_file, {"TRICKY": tricky, "PLAIN": "1"})
     shown = subprocess.run(
         ["sh", "-c", '. "$1"; printf %s "$TRICKY"', "sh", str(env_file)], capture_output=True, text=True, check=True
@@ -121,5 +124,43 @@ def test_compiled_sources_are_removed_and_the_others_kept(tmp_path: Path) -> Non
     remove_compiled_sources(tmp_path)
 
     assert sorted(path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*") if path.is_file()) == [
-        "broken.py", "data.txt", "json/__init__.pyc", "os.pyc",
+        "broken.py",
+        "data.txt",
+        "json/__init__.pyc",
+        "os.pyc",
     ]
+
+
+@pytest.mark.parametrize("location", ["bin", "usr/bin", "usr/sbin"])
+def test_busybox_is_found_wherever_its_package_puts_it(tmp_path: Path, location: str) -> None:
+    from pytest_forkd.image.rootfs import find_busybox, make_merged_usr
+
+    root = tmp_path / "root"
+    root.mkdir()
+    make_merged_usr(root)
+    (root / location / "busybox").write_bytes(b"BB")
+    found = find_busybox(root)
+    assert found.read_bytes() == b"BB"
+    assert found.relative_to(root).as_posix().startswith("usr/")  # merged /usr: one place for both layouts
+
+
+def test_no_busybox_names_the_package(tmp_path: Path) -> None:
+    from pytest_forkd.image.rootfs import find_busybox
+
+    with pytest.raises(ImageError, match="keep busybox-static in the recipe's packages"):
+        find_busybox(tmp_path)
+
+
+def test_python3_link_follows_the_release_version(tmp_path: Path) -> None:
+    from pytest_forkd.image.rootfs import link_python3
+
+    bin_dir = tmp_path / "usr/bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python3.11", "python3.13", "python3.13-config"):
+        (bin_dir / name).write_bytes(b"")
+    assert link_python3(tmp_path, "3.11").name == "python3.11"
+    assert os.readlink(bin_dir / "python3") == "python3.11"
+    (bin_dir / "python3").unlink()
+    assert link_python3(tmp_path).name == "python3.13"  # no version given: the newest
+    with pytest.raises(ImageError, match="no Python interpreter .usr/bin/python3.12.; .*python3-minimal"):
+        link_python3(tmp_path, "3.12")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from pytest_forkd.errors import InvalidTagError, SnapshotError
-from pytest_forkd.snapshot import SNAPSHOT_FILE, Snapshot, process_is_alive
+from pytest_forkd.storage.snapshot import SNAPSHOT_FILE, Snapshot, process_is_alive
 
 
 def make_snapshot(directory: Path, **changes: Any) -> Snapshot:
@@ -80,7 +80,7 @@ def test_saved_json_has_format_and_no_location_or_owner(tmp_path: Path) -> None:
 
     data = json.loads((tmp_path / SNAPSHOT_FILE).read_text())
 
-    assert data["format"] == 1
+    assert data["format"] == 2
     assert data["tag"] == "base"
     assert "path" not in data and "owner" not in data
     assert sorted(os.listdir(tmp_path)) == [SNAPSHOT_FILE]  # no temporary file left behind
@@ -177,10 +177,10 @@ def test_load_refuses_unknown_fields(tmp_path: Path) -> None:
 
 def test_load_refuses_another_format_version(tmp_path: Path) -> None:
     data = saved_json(tmp_path)
-    data["format"] = 2
+    data["format"] = 3
     write_json(tmp_path, data)
 
-    with pytest.raises(SnapshotError, match="'format' is 2, this pytest-forkd reads format 1"):
+    with pytest.raises(SnapshotError, match="'format' is 3, this pytest-forkd reads format 1 and 2"):
         Snapshot.load_from(tmp_path)
 
 
@@ -277,15 +277,13 @@ def test_wait_ready_returns_the_refreshed_record_once_ready(tmp_path: Path) -> N
     )
     finisher.start()
     try:
-        started = time.monotonic()
         ready = writing.wait_ready(timeout=10)
-        waited = time.monotonic() - started
     finally:
         finisher.join()
 
+    # "ready" and the writer's figure: it waited for the writer instead of returning the record being written
     assert ready.status == "ready" and ready.total_ms == 150.0
     assert ready.owner is owner
-    assert 0.1 <= waited < 5
 
 
 def test_wait_ready_raises_the_recorded_error_when_failed(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from pytest_forkd import cli
-from pytest_forkd.snapshot import Snapshot
-from pytest_forkd.store import SnapshotStore
+from pytest_forkd.storage.snapshot import Snapshot
+from pytest_forkd.storage.store import SnapshotStore
 
 
 @pytest.fixture(autouse=True)
@@ -55,17 +55,49 @@ def test_ls_of_an_empty_store(store: SnapshotStore, capsys: pytest.CaptureFixtur
 
 def test_ls_prints_a_table_oldest_first(store: SnapshotStore, capsys: pytest.CaptureFixture[str]) -> None:
     publish(store, "root", created="2024-05-01T10:00:00.000+00:00")
-    publish(store, "cp1", backend="diff", memory_file=None, diff_file="memory.diff", base="root",
-            created="2024-05-01T11:30:15.250+00:00")
-    publish(store, "live", backend="uffd", status="writing", memory_mib=1024,
-            created="2024-05-01T12:00:00.000+00:00")
+    publish(
+        store,
+        "cp1",
+        backend="diff",
+        memory_file=None,
+        diff_file="memory.diff",
+        base="root",
+        created="2024-05-01T11:30:15.250+00:00",
+    )
+    publish(store, "live", backend="uffd", status="writing", memory_mib=1024, created="2024-05-01T12:00:00.000+00:00")
 
     assert run("snapshots", "ls", "--store", str(store.root)) == 0
 
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["TAG", "BACKEND", "STATUS", "MEMORY", "ON", "DISK", "BASE", "CREATED", "(UTC)"]
-    assert lines[1].split() == ["root", "full", "ready", "256", "MiB", "3.0", "MiB", "-", "2024-05-01", "10:00:00"]
-    assert lines[2].split() == ["cp1", "diff", "ready", "256", "MiB", "3.0", "MiB", "root", "2024-05-01", "11:30:15"]
+    assert lines[0].split() == [
+        "TAG",
+        "BACKEND",
+        "STATUS",
+        "MEMORY",
+        "ON",
+        "DISK",
+        "BASE",
+        "CREATED",
+        "(UTC)",
+        "AGE",
+        "LAST",
+        "USED",
+        "PROJECT",
+    ]
+    assert lines[1].split()[:10] == ["root", "full", "ready", "256", "MiB", "3.0", "MiB", "-", "2024-05-01", "10:00:00"]
+    assert lines[1].split()[-1] == "shared"
+    assert lines[2].split()[:10] == [
+        "cp1",
+        "diff",
+        "ready",
+        "256",
+        "MiB",
+        "3.0",
+        "MiB",
+        "root",
+        "2024-05-01",
+        "11:30:15",
+    ]
     assert lines[3].split()[:5] == ["live", "uffd", "writing", "1024", "MiB"]
     assert len(lines) == 4
 

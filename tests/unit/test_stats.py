@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from pytest_forkd.stats import STAT_NAMES, percentile, slower_p_value, subsample, summarize
+from pytest_forkd.latency.stats import STAT_NAMES, percentile, slower_p_value, subsample, summarize
 
 
 @pytest.mark.parametrize(
@@ -109,6 +109,7 @@ def test_early_stop_keeps_the_verdict():
     assert early > 0.05
 
 
+@pytest.mark.slow  # large samples
 def test_large_inputs_stay_fast_through_subsampling():
     baseline, current = _lognormal(1, 50_000), _lognormal(2, 50_000, 1.5)
     started = time.perf_counter()

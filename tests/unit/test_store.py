@@ -15,9 +15,9 @@ from typing import Any
 import filelock
 import pytest
 
-from pytest_forkd.errors import IncompatibleSnapshot, InvalidTagError, SnapshotError, UnknownSnapshot
-from pytest_forkd.snapshot import SNAPSHOT_FILE, Snapshot
-from pytest_forkd.store import DiskUsage, SnapshotStore
+from pytest_forkd.errors import IncompatibleSnapshot, InvalidArgument, InvalidTagError, SnapshotError, UnknownSnapshot
+from pytest_forkd.storage.snapshot import SNAPSHOT_FILE, Snapshot
+from pytest_forkd.storage.store import DiskUsage, SnapshotStore
 
 FINGERPRINT = {"qemu_version": "7.2.0", "machine": "abc123", "image": "img-1"}
 MEMORY = b"M" * 64 * 1024
@@ -385,8 +385,16 @@ def test_list_of_a_store_that_does_not_exist_yet_is_empty(tmp_path: Path) -> Non
 def test_dependents_follow_parents_and_bases_transitively(store: SnapshotStore) -> None:
     publish(store, "root", created="2024-01-01T00:00:00.000+00:00")
     publish(store, "branch", parent="root", created="2024-01-02T00:00:00.000+00:00")
-    publish(store, "cp", backend="diff", memory_file=None, diff_file="memory.diff", base="branch",
-            parent="branch", created="2024-01-03T00:00:00.000+00:00")
+    publish(
+        store,
+        "cp",
+        backend="diff",
+        memory_file=None,
+        diff_file="memory.diff",
+        base="branch",
+        parent="branch",
+        created="2024-01-03T00:00:00.000+00:00",
+    )
     publish(store, "unrelated", created="2024-01-04T00:00:00.000+00:00")
 
     assert [snapshot.tag for snapshot in store.dependents("root")] == ["branch", "cp"]
@@ -490,8 +498,14 @@ def test_complete_moves_the_memory_in_and_marks_ready(store: SnapshotStore) -> N
     scratch = store.scratch_dir("live")
     (scratch / "memory.partial").write_bytes(MEMORY)
 
-    ready = store.complete("live", scratch / "memory.partial", "memory.ram", total_ms=812.5,
-                           bytes_written=len(MEMORY), extra={"zero_pages": 3})
+    ready = store.complete(
+        "live",
+        scratch / "memory.partial",
+        "memory.ram",
+        total_ms=812.5,
+        bytes_written=len(MEMORY),
+        extra={"zero_pages": 3},
+    )
 
     assert ready.status == "ready" and ready.writer_pid is None and ready.error is None
     assert ready.total_ms == 812.5 and ready.extra == {"zero_pages": 3}
@@ -560,7 +574,7 @@ def test_complete_never_overwrites_a_file(store: SnapshotStore) -> None:
 def test_complete_refuses_fields_it_sets_itself(store: SnapshotStore) -> None:
     publish(store, "live", status="writing")
 
-    with pytest.raises(TypeError, match="complete\\(\\) sets status itself"):
+    with pytest.raises(InvalidArgument, match="complete\\(\\) sets status itself"):
         store.complete("live", "ignored", "memory.ram", status="failed")
 
 
@@ -660,8 +674,9 @@ def test_disk_usage_counts_apparent_and_allocated_bytes(store: SnapshotStore) ->
         with open(pending.dir / "memory.diff", "wb") as diff:
             diff.truncate(64 * 1024 * 1024)
             diff.write(b"d" * 4096)
-        snapshot = pending.publish(record(pending.dir, "sparse", memory_file=None, diff_file="memory.diff",
-                                          base="elsewhere"))
+        snapshot = pending.publish(
+            record(pending.dir, "sparse", memory_file=None, diff_file="memory.diff", base="elsewhere")
+        )
 
     usage = store.disk_usage("sparse")
 

@@ -1,0 +1,209 @@
+"""``forkd doctor``: is this host ready? One line per check, and the fix for each failure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from pytest_forkd.engine.qemu import host
+from pytest_forkd.engine.qemu.accel import ACCELS
+from pytest_forkd.errors import ForkdError
+from pytest_forkd.paths import shm_root
+
+MIN_SHM_FREE = 1 << 30
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+    value: str = ""  # the machine-readable answer where there is one (the accelerator: kvm or tcg)
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check that this host can run pytest-forkd VMs",
+        description="Check QEMU, the accelerator, userfaultfd, /dev/shm, the default image "
+        "and the storage backends. Exit status 1 when a required check fails.",
+    )
+    p.add_argument("--accel", choices=ACCELS, default="auto", help="accelerator to resolve (default: %(default)s)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the checks as JSON ({ready, accel, checks: [...]}), e.g. to key CI baselines "
+        "by the accelerator really used",
+    )
+    p.set_defaults(run=run)
+
+
+def _check_qemu() -> Check:
+    try:
+        qemu = host.find_qemu()
+    except ForkdError as exc:
+        wanted = ".".join(map(str, host.MIN_QEMU_VERSION))
+        return Check("qemu", False, str(exc), f"sudo apt-get install {host.QEMU_PACKAGE} (QEMU {wanted} or newer)")
+    problem = host.machine_type_problem(qemu)
+    if problem is not None:
+        return Check(
+            "qemu", False, problem, f"install a QEMU >= 4.2 built with {host.MACHINE_TYPE} ({host.QEMU_PACKAGE})"
+        )
+    return Check("qemu", True, f"{qemu.binary} version {qemu.version}, {host.MACHINE_TYPE} machine available")
+
+
+def _check_image() -> tuple[Check, object]:
+    from pytest_forkd.image import load_image
+
+    try:
+        image = load_image("default")
+    except ForkdError as exc:
+        return Check("image", False, str(exc).splitlines()[0], "forkd image build"), None
+    return Check("image", True, f"default image {image.key[:12]} at {image.path}"), image
+
+
+def _check_accel(requested: str, image: object) -> Check:
+    from pytest_forkd.core.factory import VMFactory
+
+    if image is None:
+        return Check("accel", False, "cannot probe KVM without the default image", "forkd image build")
+    factory = VMFactory(accel=requested)
+    try:
+        verdict = factory.accel_verdict(image)
+    except ForkdError as exc:
+        return Check("accel", False, str(exc).splitlines()[0], "see the message")
+    except Exception as exc:  # noqa: BLE001 - doctor reports, it does not crash
+        return Check("accel", False, f"{type(exc).__name__}: {exc}", "see the message; run forkd doctor --debug")
+    finally:
+        factory.close()
+    cached = " (cached verdict)" if verdict.cached else ""
+    return Check("accel", True, f"{verdict.accel}: {verdict.reason}{cached}", value=verdict.accel)
+
+
+def _check_problem(name: str, probe: Callable[[], str | None], ok_text: str, required: bool) -> Check:
+    problem = probe()
+    if problem:
+        return Check(name, False, problem, "see the message; only the backends that need it are affected", required)
+    return Check(name, True, ok_text, required=required)
+
+
+def _check_kvm() -> Check:
+    """/dev/kvm access for this user: without it VMs run under TCG (slower, still correct)."""
+    problem = host.kvm_access_problem()
+    if problem:
+        fix = problem.split("fix: ", 1)[1] if "fix: " in problem else "none needed: VMs run under TCG"
+        return Check("kvm", False, problem.split("; fix: ")[0] + "; VMs run under TCG", fix, required=False)
+    return Check(
+        "kvm",
+        True,
+        f"{host.KVM_DEVICE} is readable and writable by this user (whether KVM really works is the accel check)",
+        required=False,
+    )
+
+
+def _check_userfaultfd() -> Check:
+    """userfaultfd for QEMU's live branch (uffd backend); the other backends do not need it."""
+    problem = host.userfaultfd_problem()
+    if problem:
+        fix = problem.split("fix: ", 1)[1] if "fix: " in problem else "use the full or diff backend"
+        return Check(
+            "userfaultfd", False, problem.split("; fix: ")[0] + "; the uffd backend is unavailable", fix, required=False
+        )
+    return Check("userfaultfd", True, "available to this user (uffd backend usable)", required=False)
+
+
+def _check_runtime_dir() -> Check:
+    """The per-user runtime directory: this user's own, mode 0700 (or not created yet)."""
+    import os
+    import stat
+
+    root = shm_root()
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError:
+        return Check("runtime dir", True, f"{root} (created with mode 0700 on the first run)")
+    except OSError as exc:
+        return Check("runtime dir", False, f"{root}: {exc.strerror}", "set FORKD_SHM_DIR to a directory on tmpfs")
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return Check(
+            "runtime dir",
+            False,
+            f"{root} is not a directory of this user (uid {info.st_uid})",
+            "remove it (as its owner) or set FORKD_SHM_DIR to a directory of your own",
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode != 0o700:
+        return Check("runtime dir", True, f"{root} has mode {mode:04o}; the next run narrows it to 0700")
+    return Check("runtime dir", True, f"{root}, mode 0700")
+
+
+def _check_shm() -> Check:
+    free = host.shm_free_bytes()
+    detail = f"{free >> 20} MiB free on /dev/shm"
+    if free < MIN_SHM_FREE:
+        return Check("shm", False, detail, "free space on /dev/shm or enlarge it (mount -o remount,size=4G /dev/shm)")
+    return Check("shm", True, detail)
+
+
+def _backend_checks() -> list[Check]:
+    try:
+        from pytest_forkd.storage.backend import registry
+    except ImportError:
+        return []
+    checks = []
+    for backend in registry().all():
+        problem = backend.unavailable_reason()
+        fix = "" if problem is None or "fix:" in problem else "see the message"
+        checks.append(
+            Check(f"backend {backend.id}", problem is None, problem or backend.description, fix, required=False)
+        )
+    return checks
+
+
+def collect(accel: str) -> list[Check]:
+    checks = [_check_qemu()]
+    image_check, image = _check_image()
+    checks.append(image_check)
+    if checks[0].ok:
+        checks.append(_check_accel(accel, image))
+    checks.append(_check_kvm())
+    checks.append(_check_userfaultfd())
+    checks.append(
+        _check_problem("pagemap_scan", host.pagemap_scan_problem, "PAGEMAP_SCAN ioctl available", required=False)
+    )
+    checks.append(_check_shm())
+    checks.append(_check_runtime_dir())
+    checks.extend(_backend_checks())
+    return checks
+
+
+def as_json(checks: list[Check]) -> dict[str, object]:
+    """The checks as one JSON document: ``ready``, ``accel`` (kvm, tcg or null) and each check."""
+    accel = next((check.value for check in checks if check.name == "accel" and check.ok), None)
+    return {
+        "ready": all(check.ok for check in checks if check.required),
+        "accel": accel,
+        "checks": [
+            {"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail, "fix": c.fix} for c in checks
+        ],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = collect(args.accel)
+    if getattr(args, "json", False):
+        document = as_json(checks)
+        print(json.dumps(document, indent=2))
+        return 0 if document["ready"] else 1
+    for check in checks:
+        mark = "ok  " if check.ok else ("FAIL" if check.required else "warn")
+        print(f"[{mark}] {check.name:<16} {check.detail}")
+        if not check.ok and check.fix:
+            print(f"       fix: {check.fix}")
+    failed = [c for c in checks if c.required and not c.ok]
+    print("ready" if not failed else f"not ready: {len(failed)} required check(s) failed")
+    return 1 if failed else 0

@@ -1,0 +1,230 @@
+"""The plugin's fixtures: the forkd session, the warm parent, a child VM per test, checkpoints, budgets.
+
+Each fixture opens the run's forkd session on first use
+(:meth:`~pytest_forkd.plugin.state.RunState.open_session`), so nothing
+boots and nothing heavy is imported until a test asks for a VM. The fixture
+list with what each one gives is in :mod:`pytest_forkd.plugin`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Final
+
+import pytest
+
+from pytest_forkd.plugin.state import run_state, worker_id
+
+if TYPE_CHECKING:
+    from pytest_forkd.aio import AsyncVM
+    from pytest_forkd.core.checkpoint import Checkpoint
+    from pytest_forkd.core.trajectory import Trajectory
+    from pytest_forkd.core.vm import VM
+    from pytest_forkd.latency.budgets import Budget
+    from pytest_forkd.plugin.session import ForkdSession
+    from pytest_forkd.project.settings import Settings, VMChoice
+    from pytest_forkd.storage.snapshot import Snapshot
+
+#: Operation name of the per-test cost of the ``forkd_vm`` fixture (setup + teardown).
+OP_FIXTURE_OVERHEAD: Final = "fixture_overhead"
+#: Where a ``forkd_dangerous`` test's checkpoint is kept: ``request.node.stash[DANGEROUS_CHECKPOINT]``.
+DANGEROUS_CHECKPOINT: Final = pytest.StashKey["Checkpoint"]()
+CHOICE: Final = pytest.StashKey["VMChoice"]()
+TEST_VM: Final = pytest.StashKey["VM"]()
+TEST_VMS: Final = pytest.StashKey["TestVMs"]()
+TEST_BUDGETS: Final = pytest.StashKey[list["Budget"]]()
+"""Per-test budgets of an item: its marker's, then those its ``forkd_budget`` fixture set."""
+
+
+class TestVMs:
+    """The VMs a test started besides its forkd_vm (children of checkpoints); killed after the test.
+
+    Acts as the owner of the checkpoint snapshots handed to the test, so
+    ``checkpoint.fork(n)`` starts children through it.
+    """
+
+    __test__ = False  # not a test class, whatever its name says
+
+    def __init__(self, session: ForkdSession) -> None:
+        self._session = session
+        self._vms: list[VM] = []
+
+    def fork_snapshot(self, snapshot: Snapshot, n: int, **options: Any) -> list[VM]:
+        children = self._session.factory.fork_snapshot(snapshot, n, **options)
+        self._vms += children
+        return children
+
+    def checkpoint(self, vm: VM, tag: str | None = None, *, backend: str | None = None) -> Checkpoint:
+        """``vm.checkpoint()``, with the children forked from it started (and later killed) here."""
+        checkpoint = vm.checkpoint(tag, backend=backend)
+        checkpoint.snapshot = checkpoint.snapshot.with_owner(self)
+        return checkpoint
+
+    def close(self) -> None:
+        for vm in self._vms:
+            vm.close()
+
+    def vms(self) -> list[VM]:
+        return list(self._vms)
+
+
+def choice_of(item: pytest.Item, settings: Settings) -> VMChoice:
+    """The test's VM choice: its validated ``forkd`` marker, else the run's settings."""
+    from pytest_forkd.project.settings import VMChoice
+
+    return item.stash.get(CHOICE, None) or VMChoice(settings.snapshot, settings.backend)
+
+
+def progress_printer(config: pytest.Config) -> Callable[[str], None]:
+    """Print progress lines (snapshot builds) on the terminal even while output is captured."""
+
+    def show(line: str) -> None:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None:
+            return
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else nullcontext():
+            reporter.ensure_newline()
+            reporter.write_line(line)
+
+    return show
+
+
+@pytest.fixture(scope="session")
+def forkd(pytestconfig: pytest.Config) -> Iterator[ForkdSession]:
+    """The forkd session: factory, store, parent, current snapshot, timings."""
+    state = run_state(pytestconfig)
+    yield state.open_session(progress_printer(pytestconfig))
+    state.close_session(worker_id(pytestconfig))
+
+
+@pytest.fixture(scope="session")
+def forkd_parent(forkd: ForkdSession) -> VM:
+    """The warm parent VM of this session (of this xdist worker); children fork from its state."""
+    return forkd.parent
+
+
+@pytest.fixture
+def _forkd_test_vms(forkd: ForkdSession, request: pytest.FixtureRequest) -> Iterator[TestVMs]:
+    test_vms = request.node.stash[TEST_VMS] = TestVMs(forkd)
+    yield test_vms
+    test_vms.close()
+
+
+@pytest.fixture
+def forkd_vm(forkd: ForkdSession, request: pytest.FixtureRequest, _forkd_test_vms: TestVMs) -> Iterator[VM]:
+    """A fresh copy-on-write child VM for this test, killed afterwards.
+
+    While the test runs, branches and checkpoints taken without naming a
+    backend use the test's backend (its ``forkd`` marker, else the run's).
+    """
+    item = request.node
+    choice = choice_of(item, forkd.settings)
+    session_seconds = forkd.build_seconds + forkd.prefill_seconds  # session costs, not this test's
+    started = time.perf_counter()
+    vm = forkd.child(choice)
+    factory = forkd.factory
+    previous_backend, factory.default_backend = factory.default_backend, choice.backend
+    item.stash[TEST_VM] = vm
+    setup_ms = (time.perf_counter() - started - (forkd.build_seconds + forkd.prefill_seconds - session_seconds)) * 1000
+    try:
+        yield vm
+    finally:
+        factory.default_backend = previous_backend
+        teardown_started = time.perf_counter()
+        factory.close_soon(vm)  # killed now, reaped in the background
+        teardown_ms = (time.perf_counter() - teardown_started) * 1000
+        forkd.timings.record(
+            OP_FIXTURE_OVERHEAD,
+            setup_ms + teardown_ms,
+            memory_mib=vm.memory_mib,
+            extra={"setup_ms": round(setup_ms, 3), "teardown_ms": round(teardown_ms, 3)},
+        )
+
+
+@pytest.fixture
+def forkd_avm(forkd_vm: VM, _forkd_test_vms: TestVMs) -> AsyncVM:
+    """``forkd_vm`` as an AsyncVM, for ``async def`` tests; its forks and checkpoints' children die with the test.
+
+    A plain fixture on purpose: it needs no async plugin to set up (the handle
+    binds to the test's event loop when first awaited), so it works under
+    pytest-asyncio and anyio alike, and the plugin loads without either.
+    """
+    from pytest_forkd.aio import AsyncVM
+
+    return AsyncVM(forkd_vm, owner=_forkd_test_vms)
+
+
+@pytest.fixture(scope="session")
+def forkd_aparent(forkd_parent: VM) -> AsyncVM:
+    """The session's warm parent VM as an AsyncVM, like ``forkd_parent`` (session-scoped).
+
+    Test event loops come and go (pytest-asyncio gives each test its own by
+    default), so this handle follows the loop that uses it, one loop at a time.
+    """
+    from pytest_forkd.aio import AsyncVM
+
+    return AsyncVM(forkd_parent, follow_loop=True)
+
+
+@pytest.fixture
+def forkd_checkpoint(
+    forkd: ForkdSession, _forkd_test_vms: TestVMs, request: pytest.FixtureRequest
+) -> Callable[..., Checkpoint]:
+    """``forkd_checkpoint(vm, tag=None)``: ``vm.checkpoint()`` whose forked children die with the test."""
+    backend = choice_of(request.node, forkd.settings).backend
+
+    def take(vm: VM, tag: str | None = None) -> Checkpoint:
+        return _forkd_test_vms.checkpoint(vm, tag, backend=backend)
+
+    return take
+
+
+@pytest.fixture
+def forkd_budget(request: pytest.FixtureRequest) -> Callable[..., list[Budget]]:
+    """``forkd_budget(exec_ms=50, fork_ms=300, ...)``: latency limits on this test, set from inside it.
+
+    The same keywords as the ``forkd_budget`` marker (a call overrides the
+    marker's limit on the same operation); every sample of that operation
+    taken during the test, setup to teardown, must fit. A test that exceeds
+    one fails in its own report, naming the operation and the figure. An
+    unknown keyword raises a ConfigError naming it.
+    """
+    from pytest_forkd.latency.budgets import budgets_from_marker
+
+    item = request.node
+    state = run_state(request.config)
+
+    def limit(*args: object, **limits: object) -> list[Budget]:
+        budgets = budgets_from_marker(item.nodeid, args, limits, kind="fixture")
+        item.stash.setdefault(TEST_BUDGETS, []).extend(budgets)
+        state.marker_budgets += budgets
+        return budgets
+
+    return limit
+
+
+@pytest.fixture
+def forkd_trajectory(forkd_vm: VM) -> Iterator[Trajectory]:
+    """A Trajectory of ``forkd_vm`` (diff checkpoint every 10 steps), ready for ``bisect``."""
+    from pytest_forkd.core.trajectory import Trajectory
+
+    with Trajectory(forkd_vm) as trajectory:
+        yield trajectory
+
+
+@pytest.fixture
+def forkd_dangerous_checkpoint(
+    forkd_checkpoint: Callable[..., Checkpoint], forkd_vm: VM, request: pytest.FixtureRequest
+) -> Checkpoint:
+    """The checkpoint of forkd_vm of a ``forkd_dangerous`` test, taken now."""
+    if request.node.get_closest_marker("forkd_dangerous") is None:
+        pytest.fail(
+            "forkd_dangerous_checkpoint is for tests marked @pytest.mark.forkd_dangerous; "
+            "mark the test, or take a checkpoint yourself with forkd_checkpoint(forkd_vm)",
+            pytrace=False,
+        )
+    checkpoint = request.node.stash[DANGEROUS_CHECKPOINT] = forkd_checkpoint(forkd_vm)
+    return checkpoint

@@ -1,0 +1,155 @@
+"""The plugin's command-line options, ini keys and markers, and resolving them into a run's settings.
+
+Registering options is on every pytest start-up path, so this module
+imports only what the option table needs; :func:`resolve_run` loads
+forkd.yaml, the settings and the budgets when the run first needs them
+(see :mod:`pytest_forkd.plugin.state`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import pytest
+
+from pytest_forkd.project import settings as forkd_settings
+
+if TYPE_CHECKING:
+    from pytest_forkd.latency.budgets import Budget
+    from pytest_forkd.latency.compare import Threshold
+    from pytest_forkd.project.config import Project
+    from pytest_forkd.project.settings import Settings
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The run's settings, project and budgets, resolved from every place they can be set."""
+
+    settings: Settings
+    project: Project
+    cli_budgets: list[Budget]
+    thresholds: list[Threshold]
+
+
+DANGEROUS_MARKER_HELP: Final = (
+    "forkd_dangerous: checkpoint the test's forkd_vm right before the test body (fixture "
+    "forkd_dangerous_checkpoint), so the test can roll back what it destroys"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("forkd", "pytest-forkd: microVM fixtures")
+    forkd_settings.add_options(group, parser)
+    group.addoption(
+        "--forkd-budget",
+        action="append",
+        default=[],
+        metavar="OP.STAT=VALUE",
+        help="latency budget for the whole run, e.g. fork.p95=300 or branch_pause.max=50ms "
+        "(repeatable; overrides forkd.yaml budgets)",
+    )
+    group.addoption(
+        "--forkd-json",
+        metavar="PATH",
+        default=None,
+        help="write every timing sample, the summaries and budget results to PATH as JSON",
+    )
+    group.addoption(
+        "--forkd-save",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="NAME",
+        help="store this run's timings under .forkd/benchmarks/ in the rootdir "
+        "(NAME defaults to the short commit id); write --forkd-save=NAME",
+    )
+    group.addoption(
+        "--forkd-autosave",
+        action="store_true",
+        default=False,
+        help="store this run's timings like --forkd-save, named after the commit",
+    )
+    group.addoption(
+        "--forkd-compare",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ID",
+        help="compare timings with a stored run (default: the latest; ID is a counter, "
+        "name, file, or a directory of shard runs merged into one); write --forkd-compare=ID",
+    )
+    group.addoption(
+        "--forkd-transcript",
+        metavar="DIR",
+        default=None,
+        help="write the transcript of every test's VMs (each exec, file operation, snapshot and "
+        "restore) to DIR/<test>.jsonl; replay one with `forkd bisect FILE --check CMD`",
+    )
+    group.addoption(
+        "--forkd-compare-fail",
+        action="append",
+        default=[],
+        metavar="EXPR",
+        help="fail the run on a significant regression against the compared run, e.g. p95:20%% or p50:5ms (repeatable)",
+    )
+    group.addoption(
+        "--forkd-compare-strict",
+        action="store_true",
+        default=False,
+        help="refuse (exit status 1) to compare with a run of a different machine, accelerator, "
+        "backend or QEMU version, instead of warning",
+    )
+
+
+def add_markers(config: pytest.Config) -> None:
+    """Declare the forkd markers (so ``--strict-markers`` knows them)."""
+    from pytest_forkd.latency.budgets import MARKER_HELP as BUDGET_MARKER_HELP
+
+    config.addinivalue_line("markers", forkd_settings.MARKER_HELP)
+    config.addinivalue_line("markers", DANGEROUS_MARKER_HELP)
+    config.addinivalue_line("markers", BUDGET_MARKER_HELP)
+
+
+def resolve_run(config: pytest.Config) -> Resolved:
+    """Read forkd.yaml and resolve the run's settings and budgets; raises ForkdError on a bad value."""
+    from pytest_forkd.latency.budgets import budget_from_cli
+    from pytest_forkd.project.config import EMPTY_PROJECT, load_project
+    from pytest_forkd.storage.backend import registry
+
+    config_file, config_source = forkd_settings.project_file(config)
+    project = load_project(config_file) if config_file else EMPTY_PROJECT
+    mirror = project.settings.get("debian_mirror")
+    if mirror is not None or "pytest_forkd.image.mirror" in sys.modules:  # else nothing to set or forget
+        from pytest_forkd.image.mirror import use_project_mirror
+
+        use_project_mirror(mirror, f"{project.origin} settings.debian_mirror")
+    settings = forkd_settings.from_pytest_config(
+        config,
+        project.settings,
+        config_file=config_file,
+        config_source=config_source,
+        backends=lambda: registry().ids(),
+    )
+    if settings.snapshot not in project.snapshot_names():
+        from pytest_forkd.plugin.session import open_stores
+        from pytest_forkd.project.snapshot_builder import unknown_snapshot_error
+
+        shared, store = open_stores(settings, project)
+        if not store.exists(settings.snapshot) and not shared.exists(settings.snapshot):
+            raise unknown_snapshot_error(settings.snapshot, project, store)
+    return Resolved(
+        settings=settings,
+        project=project,
+        cli_budgets=[budget_from_cli(text) for text in config.getoption("forkd_budget")],
+        thresholds=_compare_fail_thresholds(config.getoption("forkd_compare_fail")),
+    )
+
+
+def _compare_fail_thresholds(expressions: list[str]) -> list[Threshold]:
+    if not expressions:
+        return []
+    from pytest_forkd.latency.compare import parse_compare_fail
+
+    return [parse_compare_fail(text) for text in expressions]

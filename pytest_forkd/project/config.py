@@ -1,0 +1,516 @@
+"""forkd.yaml: the project file of a test suite that uses pytest-forkd.
+
+A project declares the snapshots its tests start from, default settings and
+latency budgets, so that ``pytest`` alone reproduces the same sandboxes on
+every machine::
+
+    settings:                 # defaults for the --forkd-* options (lowest precedence)
+      snapshot: tools
+      backend: diff
+      pool: 1
+      debian_mirror: http://HOST/debian   # where guest images' packages come from (else the host's apt sources)
+      keep_failed_count: 5    # kept failed-<test> snapshots beyond the newest 5 are removed
+      keep_failed_age: 7d     # and those older than 7 days (s, m, h, d, w; a bare number is days)
+      store_max_size: 20GiB   # evict least recently used recipe snapshots past this size (default: no cap)
+    images:                   # guest images built on demand for `from: image:NAME`, cached by content hash
+      tools:
+        recipe: default       # the built-in recipe, or a recipe file (relative to forkd.yaml)
+        packages: [git, jq]   # extra Debian packages (with their dependencies)
+        files:                # host file (relative to forkd.yaml) -> guest path, put into the image
+          tools/lint.sh: /usr/local/bin/lint
+        setup:                # run in the guest after every boot of the image, before a snapshot's setup
+          - chmod +x /usr/local/bin/lint
+    snapshots:
+      tools:                  # built once, cached in the snapshot store under this name
+        from: base            # another snapshot, or image:NAME to boot a guest image
+        memory_mib: 256
+        env: {APP_ENV: test}  # exported to the setup commands and to every command of VMs forked from it
+        workdir: /srv/app     # working directory of the setup commands and of every later command (created)
+        shared: false         # true: one snapshot for every project (the name is global, not per project)
+        files:                # host file or directory (relative to forkd.yaml) -> guest path (VM.copy_in)
+          tools/lint.sh: /usr/local/bin/lint
+          src: /srv/app       # a directory's contents land in /srv/app (modes, links and mtimes kept)
+          vendor:             # or with exclusions (glob patterns of names or relative paths)
+            to: /srv/vendor
+            exclude: ["*.pyc", __pycache__, .git]
+        setup:                # run in the guest in order; the first failure stops the build
+          - chmod +x /usr/local/bin/lint
+      web:
+        from: tools
+        network:              # none (default: inherited) | outbound | host | [host ports] | mapping
+          mode: host          # reach only the allowed host loopback ports, at 10.0.2.100
+          allow: [8080]
+          forward: [8000]     # guest ports forwarded to free host ports in every child
+    budgets:                  # see pytest_forkd.latency.budgets
+      fork: {p95_ms: 500}
+
+``base`` is built in (the default image booted with its agent ready); a
+project may redeclare it (it then starts from ``image:default`` unless it says
+otherwise, and is the project's own). Snapshot names are per project (see
+:mod:`pytest_forkd.project.lifecycle`). Every error names the file and the field path, e.g.
+``forkd.yaml: snapshots.web.setup[2]: expected a string``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+import yaml
+
+from pytest_forkd.engine.qemu.network import NetworkSpec, network_spec
+from pytest_forkd.errors import ConfigError, InvalidArgument
+from pytest_forkd.latency.budgets import Budget, budgets_from_config
+from pytest_forkd.paths import BASE_SNAPSHOT as BASE_SNAPSHOT  # re-exported: the project's names for them
+from pytest_forkd.paths import PROJECT_FILE as PROJECT_FILE
+from pytest_forkd.paths import TAG_PATTERN
+from pytest_forkd.sizes import parse_byte_size
+
+IMAGE_PREFIX: Final = "image:"
+
+#: Keys of the ``settings:`` section; their meaning is in :mod:`pytest_forkd.project.settings`.
+SETTING_KEYS: Final = (
+    "snapshot",
+    "backend",
+    "store",
+    "accel",
+    "pool",
+    "pool_prefill",
+    "keep_failed",
+    "keep_failed_count",
+    "keep_failed_age",
+    "store_max_size",
+    "debian_mirror",
+    "max_output",
+)
+_TOP_LEVEL_KEYS: Final = ("settings", "images", "snapshots", "budgets")
+_SNAPSHOT_KEYS: Final = ("from", "memory_mib", "vcpus", "env", "workdir", "files", "setup", "shared", "network")
+_IMAGE_KEYS: Final = ("recipe", "packages", "files", "setup")
+#: The image every snapshot boots unless it says ``from: image:NAME``.
+DEFAULT_IMAGE: Final = "default"
+
+
+@dataclass(frozen=True)
+class FileCopy:
+    """A host file or directory tree copied into the guest while a snapshot is built (with ``VM.copy_in``)."""
+
+    host_path: Path
+    guest_path: str
+    exclude: tuple[str, ...] = ()
+    """Glob patterns left out of a directory (see :mod:`pytest_forkd.core.copy`)."""
+
+
+@dataclass(frozen=True)
+class SnapshotRecipe:
+    """How to build one named snapshot: start from ``source``, then add files, env and setup."""
+
+    name: str
+    source: str
+    """Another snapshot's name, or ``image:NAME`` to boot that guest image."""
+    memory_mib: int | None = None
+    """None: the memory of ``source`` (256 MiB when booting an image)."""
+    vcpus: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[FileCopy, ...] = ()
+    setup: tuple[str, ...] = ()
+    workdir: str | None = None
+    """Working directory of the setup commands and, recorded in the snapshot, of its VMs' commands."""
+    shared: bool = False
+    """One snapshot under this name for every project, instead of one per project."""
+    network: NetworkSpec | None = None
+    """None: the network of ``source`` (none when booting an image)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    @property
+    def source_image(self) -> str | None:
+        """The image booted for this snapshot, or None when it starts from another snapshot."""
+        return self.source[len(IMAGE_PREFIX) :] if self.source.startswith(IMAGE_PREFIX) else None
+
+
+@dataclass(frozen=True)
+class ProjectImage:
+    """A guest image declared under ``images:``: a base recipe plus packages, files and setup commands."""
+
+    name: str
+    recipe: Path | None = None
+    """A recipe file to start from; None: the built-in default recipe."""
+    packages: tuple[str, ...] = ()
+    files: tuple[FileCopy, ...] = ()
+    setup: tuple[str, ...] = ()
+    """Run in the guest after every boot of the image, before the booting snapshot's own setup."""
+
+
+@dataclass(frozen=True)
+class Project:
+    """What forkd.yaml declares; :data:`EMPTY_PROJECT` when there is no file."""
+
+    path: Path | None = None
+    snapshots: Mapping[str, SnapshotRecipe] = field(default_factory=dict)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """Validated values of the ``settings:`` section (``store`` is made absolute)."""
+    budgets: tuple[Budget, ...] = ()
+    images: Mapping[str, ProjectImage] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "snapshots", MappingProxyType(dict(self.snapshots)))
+        object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
+        object.__setattr__(self, "images", MappingProxyType(dict(self.images)))
+
+    @property
+    def root(self) -> Path | None:
+        """The project's directory (where forkd.yaml is); its real path names the project's snapshots."""
+        return self.path.parent if self.path else None
+
+    @property
+    def origin(self) -> str:
+        """How error messages name this file."""
+        return self.path.name if self.path else PROJECT_FILE
+
+    def snapshot_names(self) -> list[str]:
+        """Every snapshot name a test may ask for: ``base`` and the declared ones."""
+        return [BASE_SNAPSHOT, *sorted(name for name in self.snapshots if name != BASE_SNAPSHOT)]
+
+    def is_shared(self, name: str) -> bool:
+        """Whether snapshot ``name`` lives in the store root, shared by every project.
+
+        The built-in ``base`` (the same everywhere) and snapshots marked
+        ``shared: true`` do, and so does everything of a run without forkd.yaml.
+        """
+        if self.path is None:
+            return True
+        recipe = self.snapshots.get(name)
+        if recipe is None:
+            return name == BASE_SNAPSHOT
+        return recipe.shared
+
+
+EMPTY_PROJECT: Final = Project()
+
+
+def load_project(path: Path | str) -> Project:
+    """Read and validate forkd.yaml at ``path``; ConfigError names the bad field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; fix --forkd-config or create the file") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path.name}: not valid YAML: {exc}") from None
+    return parse_project(data, path=path.absolute())
+
+
+def parse_project(data: object, *, path: Path) -> Project:
+    """Validate the loaded YAML ``data`` of the file at ``path`` (relative paths resolve next to it)."""
+    origin = path.name
+    if data is None:
+        return Project(path=path)
+    where = _Where(origin)
+    mapping = where.mapping(data, "", "a mapping with keys " + ", ".join(_TOP_LEVEL_KEYS))
+    where.known_keys(mapping, "", _TOP_LEVEL_KEYS)
+    settings = _parse_settings(mapping.get("settings"), where, path.parent)
+    images = _parse_images(mapping.get("images"), where, path.parent)
+    snapshots = _parse_snapshots(mapping.get("snapshots"), where, path.parent)
+    budgets = tuple(budgets_from_config(mapping.get("budgets"), origin=origin))
+    return Project(path=path, snapshots=snapshots, settings=settings, budgets=budgets, images=images)
+
+
+class _Where:
+    """Builds ConfigErrors that start with ``<file>: <field path>:``."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+
+    def error(self, field_path: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.origin}: {field_path}: {problem}" if field_path else f"{self.origin}: {problem}")
+
+    def mapping(self, value: object, field_path: str, expected: str) -> Mapping[Any, Any]:
+        if not isinstance(value, Mapping):
+            raise self.error(field_path, f"expected {expected}, got {_shown(value)}")
+        return value
+
+    def known_keys(self, mapping: Mapping[Any, Any], field_path: str, allowed: tuple[str, ...]) -> None:
+        for key in mapping:
+            if key not in allowed:
+                raise self.error(_join(field_path, key), f"unknown key; valid keys: {', '.join(allowed)}")
+
+    def string(self, value: object, field_path: str) -> str:
+        if not isinstance(value, str):
+            raise self.error(field_path, f"expected a string, got {_shown(value)}")
+        return value
+
+    def positive_int(self, value: object, field_path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.error(field_path, f"expected a whole number >= 1, got {_shown(value)}")
+        return value
+
+    def name(self, value: object, field_path: str, what: str) -> str:
+        text = self.string(value, field_path)
+        if not TAG_PATTERN.fullmatch(text):
+            raise self.error(field_path, f"invalid {what} {text!r}: use 1-64 characters from A-Z a-z 0-9 _ -")
+        return text
+
+
+def _join(field_path: str, key: object) -> str:
+    return f"{field_path}.{key}" if field_path else str(key)
+
+
+def _shown(value: object) -> str:
+    return "nothing" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def _parse_settings(value: object, where: _Where, root: Path) -> dict[str, Any]:
+    if value is None:
+        return {}
+    section = where.mapping(value, "settings", "a mapping of setting name to value")
+    where.known_keys(section, "settings", SETTING_KEYS)
+    settings: dict[str, Any] = {}
+    for key, item in section.items():
+        field_path = f"settings.{key}"
+        if key == "pool":
+            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+                raise where.error(field_path, f"expected a whole number >= 0, got {_shown(item)}")
+            settings[key] = item
+        elif key in ("keep_failed", "pool_prefill"):
+            if not isinstance(item, bool):
+                raise where.error(field_path, f"expected true or false, got {_shown(item)}")
+            settings[key] = item
+        elif key in ("keep_failed_count", "keep_failed_age", "store_max_size"):
+            from pytest_forkd.project import lifecycle
+
+            parse = {
+                "keep_failed_count": lifecycle.parse_count,
+                "keep_failed_age": lifecycle.parse_age,
+                "store_max_size": lifecycle.parse_size,
+            }[key]
+            settings[key] = parse(item, f"{where.origin}: {field_path}")
+        elif key == "store":
+            settings[key] = (root / where.string(item, field_path)).absolute()
+        elif key == "snapshot":
+            settings[key] = where.name(item, field_path, "snapshot name")
+        elif key == "max_output":
+            settings[key] = parse_byte_size(item, f"{where.origin}: {field_path}")
+        else:
+            settings[key] = where.string(item, field_path)
+    return settings
+
+
+def _parse_snapshots(value: object, where: _Where, root: Path) -> dict[str, SnapshotRecipe]:
+    if value is None:
+        return {}
+    section = where.mapping(value, "snapshots", "a mapping of snapshot name to recipe")
+    recipes: dict[str, SnapshotRecipe] = {}
+    for name, body in section.items():
+        field_path = f"snapshots.{name}"
+        where.name(name, field_path, "snapshot name")
+        recipes[name] = _parse_recipe(name, body, where, field_path, root)
+    _check_sources(recipes, where)
+    return recipes
+
+
+def _parse_recipe(name: str, body: object, where: _Where, field_path: str, root: Path) -> SnapshotRecipe:
+    if body is None:
+        body = {}
+    recipe = where.mapping(body, field_path, "a mapping with keys " + ", ".join(_SNAPSHOT_KEYS))
+    where.known_keys(recipe, field_path, _SNAPSHOT_KEYS)
+    default_source = IMAGE_PREFIX + DEFAULT_IMAGE if name == BASE_SNAPSHOT else BASE_SNAPSHOT
+    source = where.string(recipe.get("from", default_source), f"{field_path}.from")
+    if source.startswith(IMAGE_PREFIX):
+        where.name(source[len(IMAGE_PREFIX) :], f"{field_path}.from", "image name")
+    else:
+        where.name(source, f"{field_path}.from", "snapshot name (or image:NAME)")
+    memory_mib = recipe.get("memory_mib")
+    vcpus = recipe.get("vcpus")
+    return SnapshotRecipe(
+        name=name,
+        source=source,
+        memory_mib=None if memory_mib is None else where.positive_int(memory_mib, f"{field_path}.memory_mib"),
+        vcpus=None if vcpus is None else where.positive_int(vcpus, f"{field_path}.vcpus"),
+        env=_parse_env(recipe.get("env"), where, f"{field_path}.env"),
+        files=_parse_files(recipe.get("files"), where, f"{field_path}.files", root),
+        setup=_parse_setup(recipe.get("setup"), where, f"{field_path}.setup"),
+        workdir=_parse_workdir(recipe.get("workdir"), where, f"{field_path}.workdir"),
+        shared=_parse_flag(recipe.get("shared", False), where, f"{field_path}.shared"),
+        network=_parse_network(recipe, where, f"{field_path}.network"),
+    )
+
+
+def _parse_network(recipe: Mapping[Any, Any], where: _Where, field_path: str) -> NetworkSpec | None:
+    if "network" not in recipe:
+        return None
+    try:
+        return network_spec(recipe["network"], field_path)
+    except InvalidArgument as exc:
+        raise ConfigError(f"{where.origin}: {exc}") from None
+
+
+def _parse_workdir(value: object, where: _Where, field_path: str) -> str | None:
+    if value is None:
+        return None
+    text = where.string(value, field_path)
+    if not text.startswith("/") or "\0" in text:
+        raise where.error(field_path, f"expected an absolute guest path such as /srv/app, got {text!r}")
+    return text
+
+
+def _parse_flag(value: object, where: _Where, field_path: str) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(field_path, f"expected true or false, got {_shown(value)}")
+    return value
+
+
+def _parse_images(value: object, where: _Where, root: Path) -> dict[str, ProjectImage]:
+    if value is None:
+        return {}
+    section = where.mapping(value, "images", "a mapping of image name to image description")
+    images = {}
+    for name, body in section.items():
+        field_path = f"images.{name}"
+        where.name(name, field_path, "image name")
+        if name == DEFAULT_IMAGE:
+            raise where.error(
+                field_path,
+                f"the image name {DEFAULT_IMAGE!r} is the built-in image and cannot be "
+                "redeclared; give yours another name and boot it with `from: image:NAME`",
+            )
+        body = {} if body is None else body
+        spec = where.mapping(body, field_path, "a mapping with keys " + ", ".join(_IMAGE_KEYS))
+        where.known_keys(spec, field_path, _IMAGE_KEYS)
+        recipe_path = None
+        recipe = spec.get("recipe", DEFAULT_IMAGE)
+        recipe_text = where.string(recipe, f"{field_path}.recipe")
+        if recipe_text != DEFAULT_IMAGE:
+            recipe_path = (root / recipe_text).absolute()
+            if not recipe_path.is_file():
+                raise where.error(
+                    f"{field_path}.recipe",
+                    f"no such recipe file {recipe_path} (paths are relative to {root}); or write `recipe: default`",
+                )
+        images[name] = ProjectImage(
+            name=name,
+            recipe=recipe_path,
+            packages=_parse_packages(spec.get("packages"), where, f"{field_path}.packages"),
+            files=_parse_files(spec.get("files"), where, f"{field_path}.files", root, directories=False),
+            setup=_parse_setup(spec.get("setup"), where, f"{field_path}.setup"),
+        )
+    return images
+
+
+def _parse_packages(value: object, where: _Where, field_path: str) -> tuple[str, ...]:
+    import re
+
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise where.error(field_path, f"expected a list of Debian package names, got {_shown(value)}")
+    packages = []
+    for index, item in enumerate(value):
+        name = where.string(item, f"{field_path}[{index}]")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+(:[a-z0-9-]+)?", name):
+            raise where.error(
+                f"{field_path}[{index}]",
+                f"{name!r} is not a Debian package name (lower-case letters, "
+                "digits and + . -, e.g. jq or python3-yaml)",
+            )
+        packages.append(name)
+    return tuple(packages)
+
+
+def _parse_env(value: object, where: _Where, field_path: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    env = where.mapping(value, field_path, "a mapping of variable name to value")
+    parsed = {}
+    for key, item in env.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise where.error(_join(field_path, key), "expected a variable name without '='")
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            raise where.error(_join(field_path, key), f"expected a string or number, got {_shown(item)}")
+        parsed[key] = str(item)
+    return parsed
+
+
+def _parse_files(
+    value: object, where: _Where, field_path: str, root: Path, *, directories: bool = True
+) -> tuple[FileCopy, ...]:
+    """``files:``: host path -> guest path, or -> ``{to: guest path, exclude: [patterns]}`` for a directory.
+
+    ``directories``: whether a host directory may be given (a snapshot's
+    files are copied in with copy_in; an image's are put into its initramfs
+    one by one).
+    """
+    if value is None:
+        return ()
+    files = where.mapping(value, field_path, "a mapping of host path (relative to forkd.yaml) to guest path")
+    copies = []
+    for host, guest in files.items():
+        item_path = _join(field_path, host)
+        host_path = (root / where.string(host, item_path)).absolute()
+        exclude: tuple[str, ...] = ()
+        if isinstance(guest, Mapping) and directories:
+            unknown = sorted(str(key) for key in guest if key not in ("to", "exclude"))
+            if unknown:
+                raise where.error(_join(item_path, unknown[0]), "unknown key; a copy takes 'to' and 'exclude'")
+            if "to" not in guest:
+                raise where.error(item_path, "missing 'to': the guest path to copy to")
+            raw_exclude = guest.get("exclude") or []
+            if not isinstance(raw_exclude, list):
+                raise where.error(
+                    _join(item_path, "exclude"), f"expected a list of glob patterns, got {_shown(raw_exclude)}"
+                )
+            exclude = tuple(
+                where.string(pattern, f"{_join(item_path, 'exclude')}[{index}]")
+                for index, pattern in enumerate(raw_exclude)
+            )
+            guest = guest["to"]
+            item_path = _join(item_path, "to")
+        if not host_path.exists() and not host_path.is_symlink():
+            raise where.error(item_path, f"no such file or directory {host_path} (host paths are relative to {root})")
+        if host_path.is_dir() and not directories:
+            raise where.error(
+                item_path,
+                f"{host_path} is a directory; an image's files are single files (list them "
+                "one by one), while a snapshot's files: may name whole directories",
+            )
+        if not (host_path.is_dir() or host_path.is_file()):
+            raise where.error(item_path, f"{host_path} is neither a regular file nor a directory")
+        guest_path = where.string(guest, item_path)
+        if not guest_path.startswith("/"):
+            raise where.error(item_path, f"expected an absolute guest path, got {guest_path!r}")
+        copies.append(FileCopy(host_path, guest_path, exclude))
+    return tuple(copies)
+
+
+def _parse_setup(value: object, where: _Where, field_path: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise where.error(field_path, f"expected a list of shell commands, got {_shown(value)}")
+    return tuple(where.string(command, f"{field_path}[{index}]") for index, command in enumerate(value))
+
+
+def _check_sources(recipes: Mapping[str, SnapshotRecipe], where: _Where) -> None:
+    """Every ``from`` names a known snapshot, and no chain of ``from`` loops."""
+    known = [BASE_SNAPSHOT, *sorted(name for name in recipes if name != BASE_SNAPSHOT)]
+    for recipe in recipes.values():
+        if recipe.source_image is None and recipe.source not in known:
+            raise where.error(
+                f"snapshots.{recipe.name}.from",
+                f"unknown snapshot {recipe.source!r}; declared snapshots: {', '.join(known)} "
+                "(or use image:NAME to boot a guest image)",
+            )
+    for recipe in recipes.values():
+        chain = [recipe.name]
+        current = recipe
+        while current.source in recipes:
+            if current.source in chain:
+                loop = " -> ".join([*chain[chain.index(current.source) :], current.source])
+                raise where.error(f"snapshots.{recipe.name}.from", f"snapshots start from each other in a loop: {loop}")
+            chain.append(current.source)
+            current = recipes[current.source]

@@ -1,0 +1,14 @@
+"""Snapshots at rest: the snapshot record, the store, integrity checks and the storage-backend registry.
+
+A storage backend decides how the memory of a running VM is captured and
+restored; the built-in ones live in the top-level ``backends`` package and
+register through the same pluggy hook as third-party ones.
+
+Also the store's layout of project namespaces (portable snapshot archives
+need the engine's facts and live in :mod:`pytest_forkd.core.archive`).
+
+Layer 3 of docs/ARCHITECTURE.md, beside latency and the built-in backends. May
+import: the foundation (errors, paths, private, processes, sizes, tables,
+version, waiting), guest, image and engine. Never latency, core, project, aio,
+plugin or cli (checked by tests/unit/test_layers.py).
+"""

@@ -1,0 +1,294 @@
+"""Spawned processes without a VM: the agent over a socketpair, the client's ProcessCall, the host handle."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pytest_forkd.core.process import GuestProcess, output_bounds
+from pytest_forkd.core.transcript import Transcript
+from pytest_forkd.errors import (
+    CommandNotFound,
+    GuestProtocolError,
+    InvalidArgument,
+    NoSuchProcess,
+    ProcessError,
+    ProcessTimeout,
+)
+from pytest_forkd.guest import wire
+from pytest_forkd.guest.agent import Agent, _LiveBuffer
+from pytest_forkd.guest.client import AgentClient, spawn_request
+
+
+class HostVM:
+    """The part of a VM a GuestProcess uses, over an agent that runs on this host."""
+
+    name = "host"
+    closed = False
+    max_output = 1 << 20
+
+    def __init__(self, client: AgentClient) -> None:
+        self.agent = client
+        self.transcript = Transcript("host")
+
+    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    def spawn(self, command: Any, *, max_output: int | None = None, **options: Any) -> GuestProcess:
+        max_output = self.max_output if max_output is None else max_output
+        window, guest_limit = output_bounds(max_output)  # as VM.spawn splits it
+        process = GuestProcess(
+            self,
+            command,
+            pty=bool(options.get("pty")),
+            max_output=max_output,  # type: ignore[arg-type]
+            window=window,
+        )
+        process._start(spawn_request(command, max_output=guest_limit, **options))
+        return process
+
+
+@pytest.fixture
+def channel() -> Iterator[tuple[socket.socket, socket.socket]]:
+    host_end, guest_end = socket.socketpair()
+    agent = Agent(
+        guest_end.fileno(), guest_end.fileno(), set_clock=lambda s: None, reseed=lambda b: None, log=lambda line: None
+    )
+    thread = threading.Thread(target=agent.serve_forever, daemon=True)
+    thread.start()
+    yield host_end, guest_end
+    host_end.close()
+    thread.join(timeout=5)
+    guest_end.close()
+
+
+@pytest.fixture
+def vm(channel: tuple[socket.socket, socket.socket]) -> Iterator[HostVM]:
+    with AgentClient(channel[0]) as client:
+        yield HostVM(client)
+
+
+def test_lines_exit_code_and_stderr(vm: HostVM) -> None:
+    proc = vm.spawn("echo one; echo err >&2; echo two; exit 5")
+    assert list(proc.stdout) == [b"one\n", b"two\n"]
+    assert proc.stderr.read(timeout=10) == b"err\n"
+    assert proc.wait(timeout=10) == 5 and proc.returncode == 5
+
+
+def test_stdin_round_trip_and_close(vm: HostVM) -> None:
+    proc = vm.spawn(["cat"])
+    proc.write_stdin(b"abc\n")
+    assert proc.stdout.readline(timeout=10) == b"abc\n"
+    proc.write_stdin("tail without newline")
+    proc.close_stdin()
+    assert proc.stdout.readline(timeout=10) == b"tail without newline"
+    assert proc.stdout.readline(timeout=10) == b""
+    assert proc.wait(timeout=10) == 0
+    with pytest.raises(ProcessError):
+        proc.write_stdin(b"more")  # its result was taken: the agent forgot it
+
+
+def test_wait_timeout_then_kill(vm: HostVM) -> None:
+    proc = vm.spawn(["sleep", "100"])
+    with pytest.raises(ProcessTimeout, match="still running after 0.2 s"):
+        proc.wait(timeout=0.2)
+    with pytest.raises(ProcessTimeout):
+        proc.stdout.readline(timeout=0.1)
+    proc.kill()
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert [entry["kind"] for entry in vm.transcript.entries] == ["signal"]
+    with pytest.raises(InvalidArgument):
+        proc.kill(0)
+
+
+def test_a_missing_program_is_named(vm: HostVM) -> None:
+    with pytest.raises(CommandNotFound, match="no-such-tool-42: command not found"):
+        vm.spawn(["no-such-tool-42"])
+    with pytest.raises(CommandNotFound, match="no-such-tool-42"):
+        vm.spawn("no-such-tool-42 -x | cat")
+    assert vm.spawn("cd / && echo builtins are left to the shell").stdout.read(timeout=10) != b""
+
+
+def test_terminal_spawn_resize_and_exec(vm: HostVM) -> None:
+    proc = vm.spawn("stty size; read x; stty size", pty=(12, 34))
+    assert proc.stdout.readline(timeout=10) == b"12 34\r\n"
+    proc.resize(56, 78)
+    proc.write_stdin("go\n")
+    assert proc.stdout.read(timeout=10).endswith(b"56 78\r\n")
+    assert proc.wait(timeout=10) == 0
+    result = vm.agent.exec("tty", pty=True)
+    assert result.stdout.startswith("/dev/pts/") and result.exit_code == 0
+    plain = vm.spawn(["true"])
+    plain.wait(timeout=10)
+
+
+def test_unread_output_is_bounded_and_the_middle_dropped(vm: HostVM) -> None:
+    proc = vm.spawn(["yes"], max_output=64 << 10)
+    time.sleep(1)
+    assert proc.stdout.total <= 256 << 10  # the host holds no more than its window
+    assert proc.stdout.readline(timeout=10) == b"y\n"
+    drained = 0
+    while proc.stdout.skipped == 0 and drained < 1_000_000:  # reading on reaches the dropped middle
+        proc.stdout.readline(timeout=10)
+        drained += 1
+    assert proc.truncated and proc.stdout.skipped > 0
+    proc.kill(signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_attach_again_moves_the_stream_and_the_old_handle_is_told(vm: HostVM) -> None:
+    proc = vm.spawn(["cat"])
+    listed = vm.agent.processes()
+    assert [item["pid"] for item in listed] == [proc.pid] and listed[0]["exit_code"] is None
+    second = GuestProcess(vm, ["cat"], pty=False, max_output=1 << 20)  # type: ignore[arg-type]
+    second._attach(proc.pid)
+    second.write_stdin(b"to the new reader\n")
+    assert second.stdout.readline(timeout=10) == b"to the new reader\n"
+    with pytest.raises(ProcessError, match="another request attached"):
+        proc.stdout.readline(timeout=10)
+    second.close_stdin()
+    assert second.wait(timeout=10) == 0
+    with pytest.raises(NoSuchProcess):
+        GuestProcess(vm, ["x"], pty=False, max_output=1)._attach(999999)  # type: ignore[arg-type]
+
+
+def test_a_new_host_client_drops_the_old_attachment_silently(channel: tuple[socket.socket, socket.socket]) -> None:
+    """A VM restored from a snapshot hears from a new client: frames for the old one's requests must stop."""
+    sock = channel[0]
+    sock.settimeout(10)
+    reader = wire.FrameReader(sock.recv)
+
+    def send(fields: dict, payload: bytes = b"") -> None:
+        sock.sendall(wire.encode_header(fields, len(payload)) + payload)
+
+    send({"id": 1, "op": "spawn", "argv": ["sh", "-c", "read x; echo after"], "max_output": 1000, "client": "A"})
+    started = reader.read_frame()
+    assert started is not None and started.fields["id"] == 1
+    pid = started.fields["pid"]
+    send({"id": 2, "op": "ping", "client": "B"})  # the first request of the restored VM's host
+    send({"id": 3, "op": "stdin", "pid": pid, "client": "B"}, b"go\n")
+    send({"id": 4, "op": "attach", "pid": pid, "client": "B"})
+    frames = []
+    while not frames or frames[-1].fields.get("id") != 4 or frames[-1].fields.get("more"):
+        frame = reader.read_frame()
+        assert frame is not None
+        frames.append(frame)
+    assert {frame.fields["id"] for frame in frames} == {2, 3, 4}  # nothing more for request 1
+    output = b"".join(frame.payload for frame in frames if frame.fields["id"] == 4)
+    assert output == b"after\n"
+    assert frames[-1].fields["exit_code"] == 0
+
+
+def test_live_buffer_keeps_head_and_tail_and_counts_the_gap() -> None:
+    buffer = _LiveBuffer(10)
+    buffer.add(b"abcdefgh")
+    buffer.add(b"ijklmnop")
+    assert buffer.size == 10 and buffer.dropped == 6 and buffer.total == 16
+    assert buffer.take(3) == (b"abc", 0)
+    assert buffer.take(10) == (b"de", 0)
+    assert buffer.take(10) == (b"lmnop", 6)
+    assert buffer.take(10) == (b"", 0)
+    buffer.add(b"qr")
+    assert buffer.take(10) == (b"qr", 0)
+
+
+def test_a_guest_that_ignores_credit_is_cut_off() -> None:
+    host_end, guest_end = socket.socketpair()
+    reader = wire.FrameReader(guest_end.recv)
+    with AgentClient(host_end) as client:
+        vm = HostVM(client)
+        process = GuestProcess(vm, ["x"], pty=False, max_output=1 << 20)  # type: ignore[arg-type]
+        starting = threading.Thread(target=process._start, args=(spawn_request(["x"]),))
+        starting.start()
+        request = reader.read_frame()
+        assert request is not None and request.fields["op"] == "spawn"
+        window = request.fields["window"]
+        send = lambda fields, payload=b"": guest_end.sendall(wire.encode_header(fields, len(payload)) + payload)  # noqa: E731
+        send({"id": request.fields["id"], "more": True, "pid": 77})
+        starting.join(timeout=10)
+        assert process.pid == 77
+        for _ in range(window // (64 << 10) + 2):
+            send({"id": request.fields["id"], "more": True, "fd": 1}, b"x" * (64 << 10))
+        assert process._call is not None and process._call.done.wait(10)  # nobody read: the excess ends it
+        assert len(process.stdout.read(timeout=10)) <= window  # what it was allowed, then the stream ends
+        with pytest.raises(GuestProtocolError, match="more output of 'spawn' than"):
+            process.wait(timeout=10)
+    guest_end.close()
+
+
+def test_terminal_session_relays_keys_ctrl_c_and_the_exit_status(vm: HostVM) -> None:
+    """`forkd shell`'s relay, over a host agent: our side is a pseudo-terminal, as a user's would be."""
+    import os
+    import re
+
+    from pytest_forkd.cli.shell_cmd import TerminalSession
+
+    master, slave = os.openpty()
+    session = TerminalSession(vm, cwd="/", command="PS1='$ ' exec sh -i")  # type: ignore[arg-type]
+    status: list[int] = []
+    relay = threading.Thread(target=lambda: status.append(session.run(slave, slave)), daemon=True)
+    relay.start()
+    seen = b""
+
+    def expect(pattern: bytes) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + 20
+        while not re.search(pattern, seen):
+            assert time.monotonic() < deadline, seen
+            seen += os.read(master, 4096)
+
+    try:
+        expect(rb"\$ ")
+        os.write(master, b"stty size; sleep 50\n")
+        expect(rb"24 80")
+        time.sleep(0.5)
+        os.write(master, b"\x03")  # Ctrl-C interrupts the sleep, not the relay
+        os.write(master, b"echo status $?\n")
+        expect(rb"status 130")
+        os.write(master, b"exit 3\n")
+        relay.join(timeout=20)
+        assert status == [3]
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_async_handle_reads_lines_and_a_cancelled_read_loses_nothing(vm: HostVM) -> None:
+    import asyncio
+
+    from pytest_forkd.aio import AsyncGuestProcess, AsyncVM
+
+    async def main() -> None:
+        avm = AsyncVM(vm)  # type: ignore[arg-type]
+        proc = await avm.spawn(["cat"])
+        assert isinstance(proc, AsyncGuestProcess) and proc.returncode is None
+        reading = asyncio.create_task(proc.stdout.readline())
+        await asyncio.sleep(0.1)
+        reading.cancel()
+        await proc.write_stdin(b"one\ntwo\n")
+        await proc.close_stdin()
+        assert [line async for line in proc.stdout] == [b"one\n", b"two\n"]
+        assert await proc.wait(timeout=10) == 0
+        sleeper = await avm.spawn(["sleep", "100"])
+        with pytest.raises(ProcessTimeout, match="within 0.3 s"):
+            await sleeper.wait(timeout=0.3)
+        await sleeper.kill(signal.SIGKILL)
+        assert await sleeper.wait(timeout=10) == -signal.SIGKILL
+
+    asyncio.run(main())
+
+
+def test_output_read_after_the_end_is_bounded_by_max_output_like_exec(vm: HostVM) -> None:
+    limit = 100_000
+    process = vm.spawn(["head", "-c", "3000000", "/dev/zero"], max_output=limit)
+    assert process.wait(timeout=30) == 0
+    time.sleep(0.5)  # let the guest side take in all of it
+    data = process.stdout.read(timeout=30)
+    assert len(data) <= limit and process.truncated
+    assert len(data) + process.stdout.skipped == 3_000_000

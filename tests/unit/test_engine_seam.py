@@ -1,0 +1,237 @@
+"""The engine seam holds: QEMU stays inside engine/qemu/, and core/ and storage/ import without circles.
+
+Both checks read the source (AST), so they see imports inside functions too;
+only ``if TYPE_CHECKING:`` blocks are left out (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "pytest_forkd"
+BACKENDS = ROOT / "backends"
+QEMU_PACKAGE = "pytest_forkd.engine.qemu"
+#: Modules that drive VMs and must do it through the engine interface only (engine/base.py).
+ENGINE_USERS = (
+    "pytest_forkd.core.factory",
+    "pytest_forkd.core.vm",
+    "pytest_forkd.core.branching",
+    "pytest_forkd.core.pool",
+    "pytest_forkd.core.checkpoint",
+    "pytest_forkd.storage",
+    "forkd_backends",
+)
+
+#: QMP commands forkd sends and QEMU command-line flags it builds: only engine/qemu/ may spell them.
+QMP_COMMANDS = (
+    "query-status",
+    "query-migrate",
+    "migrate-incoming",
+    "migrate-set-capabilities",
+    "migrate-set-parameters",
+    "xen-save-devices-state",
+    "human-monitor-command",
+    "getfd",
+    "qmp_capabilities",
+    "hostfwd_add",
+    "hostfwd_remove",
+    "background-snapshot",
+)
+QEMU_FLAGS = (
+    "-incoming",
+    "-netdev",
+    "-chardev",
+    "-qmp",
+    "-machine",
+    "-accel",
+    "-append",
+    "-initrd",
+    "-kernel",
+    "memory-backend-file",
+    "virtio-net-device",
+    "virtserialport",
+    "microvm",
+)
+
+
+def module_name(path: Path) -> str:
+    if path.is_relative_to(BACKENDS):
+        parts = ["forkd_backends", *path.relative_to(BACKENDS).with_suffix("").parts]
+    else:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def sources() -> dict[str, Path]:
+    return {module_name(path): path for path in [*PACKAGE.rglob("*.py"), *BACKENDS.rglob("*.py")]}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:`` (their else branch does run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports at run time, at any depth of its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _runtime_nodes(parsed(path)):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for target in targets:
+            # The longest known module the name starts with (``from x import y`` may name a function).
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def import_graph() -> dict[str, set[str]]:
+    modules = sources()
+    known = set(modules)
+    return {name: imports_of(name, path, known) for name, path in modules.items()}
+
+
+def cycles_within(graph: dict[str, set[str]], prefixes: tuple[str, ...]) -> list[list[str]]:
+    """Strongly connected components (of more than one module) of the graph restricted to ``prefixes``."""
+    nodes = [n for n in graph if n.startswith(prefixes)]
+    inside = set(nodes)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node] & inside):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(nodes):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_within_or_between_core_and_storage() -> None:
+    graph = import_graph()
+    cycles = cycles_within(graph, ("pytest_forkd.core", "pytest_forkd.storage"))
+    assert cycles == [], "import circles (including imports inside functions):\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles
+    )
+
+
+def test_the_graph_sees_imports_inside_functions_but_not_type_checking_blocks(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\n"
+        "def f():\n    from a import c\n    from .d import e\n"
+    )
+    found = imports_of("pkg.m", source, {"a", "a.b", "a.c", "pkg", "pkg.d"})
+    assert found == {"a", "a.c", "pkg.d"}
+    graph = {"x.a": {"x.b"}, "x.b": {"x.c"}, "x.c": {"x.a"}, "x.d": {"x.a"}}
+    assert cycles_within(graph, ("x",)) == [["x.a", "x.b", "x.c"]]
+
+
+def test_only_the_qemu_engine_imports_qmp() -> None:
+    offenders = sorted(
+        name
+        for name, targets in import_graph().items()
+        if not name.startswith(QEMU_PACKAGE) and f"{QEMU_PACKAGE}.qmp" in targets
+    )
+    assert offenders == []
+
+
+@pytest.mark.parametrize("user", ENGINE_USERS)
+def test_vm_driving_modules_reach_the_engine_through_its_interface_only(user: str) -> None:
+    offenders = {
+        name: sorted(t for t in targets if t.startswith(QEMU_PACKAGE))
+        for name, targets in import_graph().items()
+        if name == user or name.startswith(user + ".")
+    }
+    assert {name: qemu for name, qemu in offenders.items() if qemu} == {}
+
+
+def _string_constants(path: Path) -> list[str]:
+    return [
+        node.value for node in ast.walk(parsed(path)) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
+
+
+def test_no_module_outside_the_qemu_engine_names_a_qmp_command_or_qemu_flag() -> None:
+    words = re.compile("|".join(rf"(?<![\w-]){re.escape(word)}(?![\w-])" for word in QMP_COMMANDS + QEMU_FLAGS))
+    offenders = {}
+    for name, path in sources().items():
+        if name.startswith(QEMU_PACKAGE):
+            continue
+        docstrings = {
+            ast.get_docstring(node, clean=False)
+            for node in ast.walk(parsed(path))
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        }
+        hits = sorted(
+            {
+                match.group()
+                for text in _string_constants(path)
+                if text not in docstrings
+                for match in words.finditer(text)
+            }
+        )
+        if hits:
+            offenders[name] = hits
+    assert offenders == {}
