@@ -6,6 +6,10 @@
 ``slow``
     No QEMU, but seconds each: whole pytest sessions run in subprocesses
     (every test using ``pytester`` is marked so) and statistics at scale.
+``alone``
+    Compares the timings of two runs it makes, so a change of load between
+    them is a real regression to the gate: under pytest-xdist it runs while
+    no other worker runs a test (``run_alone`` below).
 
 ``pytest -m "not vm"`` is the fast layer: no QEMU, the fake engine where a VM
 is needed (tests/contract), and no ``slow`` test unless the expression names
@@ -15,8 +19,11 @@ Without ``-m`` every test runs.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 
@@ -48,3 +55,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("vm") is not None and qemu_problem():
             item.add_marker(pytest.mark.skip(reason=f"needs QEMU: {qemu_problem()}"))
+
+
+@pytest.fixture(autouse=True)
+def run_alone(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist, tests marked ``alone`` exclude every other test of the run.
+
+    A reader-writer lock shared by the workers (in the run's common temporary
+    directory): each test holds it shared, an ``alone`` test exclusively. An
+    ``alone`` test first takes the ``intent`` lock, which a test about to start
+    passes through, so a worker that keeps starting tests cannot starve it.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    shared = tmp_path_factory.getbasetemp().parent
+    alone = request.node.get_closest_marker("alone") is not None
+    with ExitStack() as locks:
+        intent = locks.enter_context(open(shared / "forkd-tests-intent.lock", "a"))
+        held = locks.enter_context(open(shared / "forkd-tests-running.lock", "a"))
+        fcntl.flock(intent, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(intent, fcntl.LOCK_UN)
+        yield

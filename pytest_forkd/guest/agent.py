@@ -2146,12 +2146,30 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _unignore_terminal_signals() -> None:
+    """Give the commands the agent runs the default reaction to Ctrl-C and Ctrl-\\.
+
+    A signal ignored by a process stays ignored in every program it runs, and a
+    shell cannot undo that; an agent started from the background of a script
+    (SIGINT and SIGQUIT ignored) would run commands that a typed Ctrl-C does not
+    stop. A handled signal is reset to its default by exec, so the agent handles
+    them itself instead of ignoring them.
+    """
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, lambda signum, frame: None)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``agent.py PORT_DEVICE`` in the guest; ``agent.py --stdio`` on a host, over stdin/stdout."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: agent.py PORT_DEVICE | --stdio", file=sys.stderr)
         return 2
+    _unignore_terminal_signals()
     if args[0] == "--stdio":
         # Outside a guest: never move the machine's clock, even as root.
         agent = Agent(sys.stdin.fileno(), sys.stdout.fileno(), set_clock=_leave_clock_alone)

@@ -27,6 +27,7 @@ def test_agent_step(forkd_vm, forkd_checkpoint, round):
 """
 
 
+@pytest.mark.alone
 def test_unchanged_suite_passes_its_own_baseline(pytester, run_forkd):
     pytester.makepyfile(test_steady=STEADY_SUITE)
 
@@ -109,6 +110,10 @@ def test_waits(forkd_vm):
 """
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def inner_pytest(pytester: pytest.Pytester, shared_store: Path) -> Iterator[Callable[[], tuple[subprocess.Popen, int]]]:
     """Starts the slow inner suite; whatever the test does (or if it times out), the subprocess is killed."""
@@ -122,6 +127,9 @@ def inner_pytest(pytester: pytest.Pytester, shared_store: Path) -> Iterator[Call
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            # Ctrl-C must reach it as it would a user's pytest, even when this run was started in
+            # the background of a script (which ignores SIGINT, and an ignored signal is inherited).
+            preexec_fn=_default_sigint,
         )
         started_processes.append(process)
         started = pytester.path / "vm-started"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from pytest_forkd.errors import (
     ProcessTimeout,
 )
 from pytest_forkd.guest import wire
-from pytest_forkd.guest.agent import Agent, _LiveBuffer
+from pytest_forkd.guest.agent import Agent, _LiveBuffer, _unignore_terminal_signals
 from pytest_forkd.guest.client import AgentClient, spawn_request
 
 
@@ -222,6 +224,46 @@ def test_a_guest_that_ignores_credit_is_cut_off() -> None:
     guest_end.close()
 
 
+@pytest.fixture
+def terminal_signals() -> Iterator[None]:
+    """Ctrl-C and Ctrl-\\ not ignored by this process, as the agent's ``main`` makes sure in a guest.
+
+    This agent runs in a thread of the test process, so its commands inherit the
+    test run's signals: a run started in the background of a script ignores SIGINT.
+    """
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGQUIT)
+    _unignore_terminal_signals()
+    yield
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGQUIT, saved[1])
+
+
+def _ignored_signals_of_a_command(unignore: bool) -> int:
+    """SigIgn of a command run by a process started with SIGINT and SIGQUIT ignored."""
+    script = (
+        "import subprocess\n"
+        "from pytest_forkd.guest.agent import _unignore_terminal_signals\n"
+        f"if {unignore}: _unignore_terminal_signals()\n"
+        "print(subprocess.run(['grep', 'SigIgn', '/proc/self/status'], capture_output=True, text=True).stdout)\n"
+    )
+
+    def ignore_terminal_signals() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, preexec_fn=ignore_terminal_signals
+    ).stdout
+    return int(out.split()[1], 16)
+
+
+def test_commands_of_an_agent_started_with_ctrl_c_ignored_get_the_default_reaction() -> None:
+    sigint_and_sigquit = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGQUIT - 1))
+    assert _ignored_signals_of_a_command(unignore=False) & sigint_and_sigquit == sigint_and_sigquit
+    assert _ignored_signals_of_a_command(unignore=True) & sigint_and_sigquit == 0
+
+
+@pytest.mark.usefixtures("terminal_signals")
 def test_terminal_session_relays_keys_ctrl_c_and_the_exit_status(vm: HostVM) -> None:
     """`forkd shell`'s relay, over a host agent: our side is a pseudo-terminal, as a user's would be."""
     import os
@@ -245,9 +287,11 @@ def test_terminal_session_relays_keys_ctrl_c_and_the_exit_status(vm: HostVM) -> 
 
     try:
         expect(rb"\$ ")
-        os.write(master, b"stty size; sleep 50\n")
+        # The job says when it runs (the echo of the typed line shows sl""eeping, not sleeping):
+        # a Ctrl-C that came before it would interrupt the shell's prompt instead.
+        os.write(master, b"stty size; sh -c 'echo sl\"\"eeping; exec sleep 50'\n")
         expect(rb"24 80")
-        time.sleep(0.5)
+        expect(rb"\nsleeping")
         os.write(master, b"\x03")  # Ctrl-C interrupts the sleep, not the relay
         os.write(master, b"echo status $?\n")
         expect(rb"status 130")
