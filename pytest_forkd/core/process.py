@@ -170,6 +170,7 @@ class ProcessOutput:
                         finally:
                             self._condition.acquire()
                         credit = 0
+                        continue  # what arrived (or the end) while the lock was released was notified to nobody
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise ProcessTimeout(
