@@ -11,6 +11,13 @@ a userfaultfd made inside it, kept the pause flat, but children restored from
 such a branch of a VM with a background process crashed: the VMM's own
 snapshot is the one known to be consistent.
 
+QEMU allocates every page it reads on tmpfs: the read before the
+write-protection fills the holes of the file the VM maps (its base snapshot's
+memory, for a child), and the loader reads each zero page of the stream. When
+the snapshot is complete, the zero pages of both files are punched back out
+(:func:`~pytest_forkd.engine.memory.punch_zero_pages`, off the pause): the new
+snapshot stays as sparse as its content and the base as small as before.
+
 Until the memory is written the snapshot's status is ``writing`` and forking
 it waits. The pause is measured the way a guest sees it: the longest gap
 between consecutive agent round trips while the branch starts (QEMU's own
@@ -27,6 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from pytest_forkd.engine import memory
 from pytest_forkd.errors import SnapshotError
 from pytest_forkd.storage.backend import (
     MEMORY_FILE,
@@ -46,6 +54,46 @@ if TYPE_CHECKING:
 MIGRATION_TIMEOUT_S = 600.0
 log = logging.getLogger(__name__)
 _counter = itertools.count(1)
+
+
+class _InFlight:
+    """Live snapshots under way per mapped file, so a base is punched only when none reads it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: dict[Path, int] = {}
+
+    def enter(self, path: Path) -> None:
+        with self._lock:
+            self._count[path] = self._count.get(path, 0) + 1
+
+    def leave(self, path: Path) -> bool:
+        """Forget one; True when it was the last live snapshot of ``path``."""
+        with self._lock:
+            left = self._count.pop(path) - 1
+            if left:
+                self._count[path] = left
+            return not left
+
+
+_in_flight = _InFlight()
+
+
+def _release(base: Path) -> int:
+    """Punch the zero pages QEMU's read-in allocated in ``base``; best effort (it may be gone already)."""
+    try:
+        return memory.punch_zero_pages(base)
+    except OSError as exc:
+        log.info("could not give back the zero pages of %s: %s", base, exc)
+        return 0
+
+
+def _mapped_base(source: CaptureSource) -> Path | None:
+    """The snapshot memory file the VM maps copy-on-write (None for a VM whose RAM file is its own)."""
+    base = source.base.memory_path if source.base is not None else None
+    if base is None or source.machine.owns_ram or Path(source.machine.ram_path) != Path(base):
+        return None
+    return Path(base)
 
 
 class PauseMeter:
@@ -98,23 +146,41 @@ class UffdBackend(StorageBackend):
     def capture(self, source: CaptureSource, target: Path) -> Capture:
         machine = source.machine
         stream = machine.directory / f"{machine.name}.bgsnap{next(_counter)}"
+        base = _mapped_base(source)
         meter = PauseMeter(source.ping)
         started = meter.start()
+        if base is not None:
+            _in_flight.enter(base)
         try:
             machine.start_live_snapshot(stream, armed=lambda: meter.replies_since(time.perf_counter() - 0.002) > 0)
         except BaseException:
             meter.stop(started)
             stream.unlink(missing_ok=True)
+            if base is not None:
+                _in_flight.leave(base)
             raise
         pause_ms = meter.stop(started)
 
         def finish(snapshot: Snapshot, store: SnapshotStore) -> tuple[Path, Path | None, dict[str, Any]]:
+            released = 0
             try:
-                machine.finish_live_snapshot(MIGRATION_TIMEOUT_S)
+                try:
+                    machine.finish_live_snapshot(MIGRATION_TIMEOUT_S)
+                finally:
+                    if base is not None and _in_flight.leave(base):
+                        released = _release(base)
                 scratch = store.scratch_dir(snapshot.tag)
                 memory_tmp, state_tmp = scratch / MEMORY_FILE, scratch / STATE_FILE
                 machine.materialise(stream, source.image, memory_tmp, state_tmp)
-                return memory_tmp, state_tmp, {"bytes_written": os.stat(memory_tmp).st_blocks * 512}
+                memory.punch_zero_pages(memory_tmp)  # not published yet: nobody maps it
+                return (
+                    memory_tmp,
+                    state_tmp,
+                    {
+                        "bytes_written": os.stat(memory_tmp).st_blocks * 512,
+                        "extra": {**snapshot.extra, "base_bytes_released": released},
+                    },
+                )
             finally:
                 stream.unlink(missing_ok=True)
 

@@ -14,7 +14,7 @@ import errno
 import fcntl
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import BackendError, ForkdError, HostNotReady, VMError
 
@@ -213,6 +213,78 @@ def copy_sparse(source: Path, destination: Path) -> int:
             os.close(dst)
     finally:
         os.close(src)
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_ZERO_BLOCK = bytes(64 << 10)
+
+
+def _fallocate() -> Callable[[int, int, int, int], int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    function = libc.fallocate
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
+
+
+def zero_page_runs(fd: int) -> list[tuple[int, int]]:
+    """(offset, length) runs of allocated pages of file ``fd`` that hold only zeros.
+
+    Only allocated extents are read (``pread``, so reading allocates nothing
+    even on tmpfs, where a read fault through a mapping would); 64 KiB blocks
+    are compared whole, page by page only when a block is not all zero.
+    """
+    runs: list[tuple[int, int]] = []
+    zero_page = _ZERO_BLOCK[:PAGE_SIZE]
+
+    def add(offset: int, length: int) -> None:
+        if runs and runs[-1][0] + runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], runs[-1][1] + length)
+        else:
+            runs.append((offset, length))
+
+    for start, length in data_extents(fd):
+        position, end = start, start + length
+        while position < end:
+            block = os.pread(fd, min(len(_ZERO_BLOCK), end - position), position)
+            if not block:
+                break
+            if block == _ZERO_BLOCK[: len(block)]:
+                add(position, len(block))
+            else:
+                for page in range(0, len(block) - PAGE_SIZE + 1, PAGE_SIZE):
+                    if block[page : page + PAGE_SIZE] == zero_page:
+                        add(position + page, PAGE_SIZE)
+            position += len(block)
+    return runs
+
+
+def punch_zero_pages(path: Path) -> int:
+    """Give back the allocated all-zero pages of a RAM file (holes read as zeros); returns bytes freed.
+
+    QEMU allocates pages it only reads: its background snapshot reads every
+    page of guest RAM first, and its migration loader reads a zero page to see
+    whether it must clear it. On tmpfs each such read allocates a page, so a
+    sparse 256 MiB RAM file ends up fully allocated. Punching the zero pages
+    back out changes no byte anyone reads. Only for files nobody writes
+    through a shared mapping while this runs (a page found zero must stay zero
+    until it is punched): a snapshot's files, which children map copy-on-write.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fallocate = _fallocate()
+        freed = 0
+        for offset, length in zero_page_runs(fd):
+            if fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+                number = ctypes.get_errno()
+                if number in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    return freed  # a filesystem without holes: nothing to give back
+                raise OSError(number, os.strerror(number), str(path))
+            freed += length
+        return freed
+    finally:
+        os.close(fd)
 
 
 def pagemap_scan_problem() -> str | None:

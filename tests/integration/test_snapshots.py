@@ -360,6 +360,32 @@ def test_uffd_branch_is_written_in_the_background_and_forks_wait_for_it(vm: VM, 
     assert stored.status == "ready" and stored.memory_path.stat().st_size == vm.memory_mib << 20
 
 
+def allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_uffd_branch_leaves_its_snapshot_and_the_base_sparse(vm: VM, owned: Owned) -> None:
+    """QEMU's read of every page allocates the holes of tmpfs files; the branch gives them back."""
+    base = vm.memory_base
+    assert base is not None and base.memory_path is not None and vm.machine.ram_path == base.memory_path
+    base_before = allocated(base.memory_path)
+    content = vm.exec("head -c 2097152 /dev/urandom > /root/payload && sha256sum /root/payload", check=True).stdout
+
+    snapshot = vm.branch(backend="uffd")
+    child = owned(snapshot.fork(1))[0]  # waits until the memory is written and the zero pages punched
+
+    stored = SnapshotStore(snapshot.path.parent).get(snapshot.tag)
+    assert stored.memory_path is not None
+    size = stored.memory_path.stat().st_size
+    assert size == vm.memory_mib << 20
+    assert allocated(stored.memory_path) < size * 0.8, "the snapshot's zero pages are still allocated"
+    assert allocated(base.memory_path) <= base_before, "the base grew by the pages QEMU read in"
+    assert stored.extra["base_bytes_released"] > 0
+    assert child.exec("sha256sum /root/payload", check=True).stdout == content
+    assert vm.exec("sha256sum /root/payload", check=True).stdout == content
+    assert owned(base.fork(1))[0].exec(["true"]).exit_code == 0  # the punched base still restores
+
+
 def test_diff_past_the_threshold_is_flattened_into_its_own_memory(
     vm: VM, external_backends: None, owned: Owned
 ) -> None:

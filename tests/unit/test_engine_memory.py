@@ -110,3 +110,50 @@ def test_data_extents_of_an_empty_sparse_file(tmp_path: Path) -> None:
         assert memory.data_extents(fd) == []
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def tmpfs_dir() -> Iterator[Path]:
+    """A directory on /dev/shm: tmpfs allocates a page on every read fault, which is what punching undoes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="forkd-unit-") as name:
+        yield Path(name)
+
+
+def test_zero_pages_are_punched_and_everything_else_kept(tmpfs_dir: Path) -> None:
+    ram = tmpfs_dir / "memory.ram"
+    block = 16 * PAGE_SIZE  # 64 KiB: the scan's block
+    data = bytearray(8 * block)
+    data[PAGE_SIZE + 7] = 1  # one non-zero byte in the first block's second page
+    data[2 * block : 3 * block] = b"D" * block  # a whole block of data
+    data[5 * block - 1] = 2  # the last byte of the fifth block
+    ram.write_bytes(bytes(data))  # every page allocated, zero or not
+    assert ram.stat().st_blocks * 512 >= len(data)
+
+    freed = memory.punch_zero_pages(ram)
+
+    assert ram.read_bytes() == bytes(data)
+    kept_pages = 1 + 16 + 1
+    assert freed == len(data) - kept_pages * PAGE_SIZE
+    assert ram.stat().st_blocks * 512 == kept_pages * PAGE_SIZE
+    with open(ram, "rb") as handle:
+        assert memory.data_extents(handle.fileno()) == [
+            (PAGE_SIZE, PAGE_SIZE),
+            (2 * block, block),
+            (5 * block - PAGE_SIZE, PAGE_SIZE),
+        ]
+    assert memory.punch_zero_pages(ram) == 0  # nothing left to give back
+
+
+def test_zero_page_runs_skip_holes_and_merge_neighbours(tmpfs_dir: Path) -> None:
+    ram = tmpfs_dir / "memory.ram"
+    with open(ram, "wb") as handle:
+        handle.truncate(64 * PAGE_SIZE)  # one hole
+        handle.seek(10 * PAGE_SIZE)
+        handle.write(bytes(3 * PAGE_SIZE) + b"x" + bytes(PAGE_SIZE - 1) + bytes(2 * PAGE_SIZE))
+    with open(ram, "rb") as handle:
+        assert memory.zero_page_runs(handle.fileno()) == [
+            (10 * PAGE_SIZE, 3 * PAGE_SIZE),
+            (14 * PAGE_SIZE, 2 * PAGE_SIZE),
+        ]
