@@ -368,7 +368,7 @@ def test_uffd_branch_leaves_its_snapshot_and_the_base_sparse(vm: VM, owned: Owne
     """QEMU's read of every page allocates the holes of tmpfs files; the branch gives them back."""
     base = vm.memory_base
     assert base is not None and base.memory_path is not None and vm.machine.ram_path == base.memory_path
-    base_before = allocated(base.memory_path)
+    base_before, base_mtime = allocated(base.memory_path), base.memory_path.stat().st_mtime_ns
     content = vm.exec("head -c 2097152 /dev/urandom > /root/payload && sha256sum /root/payload", check=True).stdout
 
     snapshot = vm.branch(backend="uffd")
@@ -380,6 +380,7 @@ def test_uffd_branch_leaves_its_snapshot_and_the_base_sparse(vm: VM, owned: Owne
     assert size == vm.memory_mib << 20
     assert allocated(stored.memory_path) < size * 0.8, "the snapshot's zero pages are still allocated"
     assert allocated(base.memory_path) <= base_before, "the base grew by the pages QEMU read in"
+    assert base.memory_path.stat().st_mtime_ns == base_mtime  # its checked record still holds
     assert stored.extra["base_bytes_released"] > 0
     assert child.exec("sha256sum /root/payload", check=True).stdout == content
     assert vm.exec("sha256sum /root/payload", check=True).stdout == content

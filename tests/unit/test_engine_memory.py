@@ -130,10 +130,12 @@ def test_zero_pages_are_punched_and_everything_else_kept(tmpfs_dir: Path) -> Non
     data[5 * block - 1] = 2  # the last byte of the fifth block
     ram.write_bytes(bytes(data))  # every page allocated, zero or not
     assert ram.stat().st_blocks * 512 >= len(data)
+    os.utime(ram, ns=(1_000_000_000, 2_000_000_000))  # as recorded when the snapshot was written
 
     freed = memory.punch_zero_pages(ram)
 
     assert ram.read_bytes() == bytes(data)
+    assert ram.stat().st_mtime_ns == 2_000_000_000, "the unchanged content must keep its recorded time"
     kept_pages = 1 + 16 + 1
     assert freed == len(data) - kept_pages * PAGE_SIZE
     assert ram.stat().st_blocks * 512 == kept_pages * PAGE_SIZE
