@@ -100,6 +100,7 @@ def test_bench_parts_report_pauses_memory_and_guest_speed(tmp_path: Path) -> Non
     assert printed["diff_pause_p50_ms"] == printed["diff_pause_ms"]["p50"]
     series = printed["diff_pause_series_ms"]
     assert len(series) == 10 and printed["diff_pause_10th_over_2nd"] == pytest.approx(series[9] / series[1], rel=0.01)
+    assert printed["diff_pause_10th_over_2nd_runs"] == [printed["diff_pause_10th_over_2nd"]]  # one run of ten
     assert printed["diff_pause_max_over_p50"] >= 1 and printed["diff_pause_outliers"] >= 0
     assert printed["child_pss_mib"] > 0 and printed["parent_pss_mib"] > 0
     assert {"guest_ram", "tcg_code", "qemu_heap", "binaries"} <= set(printed["child_pss_parts_mib"])

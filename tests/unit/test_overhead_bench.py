@@ -1,4 +1,4 @@
-"""The overhead bench's generated suite and how it reads a run's output (no VM)."""
+"""The overhead bench (generated suite, how it reads a run's output) and the diff drift figure (no VM)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,14 @@ def test_a_missing_external_suite_is_refused_before_anything_runs(tmp_path: Path
     args = parser.parse_args(["bench", "--external-suite", str(tmp_path / "missing")])
     with pytest.raises(ConfigError, match="--external-suite .*missing: no such file"):
         args.run(args)
+
+
+def test_diff_drift_is_the_10th_over_the_2nd_of_each_run_of_ten() -> None:
+    from pytest_forkd.cli.bench import drift_ratios
+
+    flat = [10.0] * 10
+    growing = [10.0 + index for index in range(10)]  # 2nd 11, 10th 19
+    assert drift_ratios(flat) == [1.0]
+    assert drift_ratios(growing) == [pytest.approx(19 / 11)]
+    assert drift_ratios(flat + growing + flat[:9]) == [1.0, pytest.approx(19 / 11)]  # an incomplete run is left out
+    assert drift_ratios(flat[:9]) == []
