@@ -103,6 +103,26 @@ def test_ping_reports_pid_and_clocks(client: AgentClient) -> None:
     assert 0 < reply["monotonic"] <= time.monotonic()
 
 
+def test_a_ping_is_answered_by_the_reader_without_a_thread_of_its_own(
+    raw: RawChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread per ping (its stack, its first pages) cost more than the ping, most of all in a restore's first one."""
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def record(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", record)
+    for request_id in (1, 2, 3):
+        raw.send({"id": request_id, "op": "ping"})
+        assert raw.receive().fields["id"] == request_id
+    raw.send({"id": 4, "op": "read_file", "path": "/nonexistent/forkd"})  # any other request gets a thread
+    assert raw.receive().fields["error"]["type"] == "FileNotFoundError"
+    assert started == ["request-4"]
+
+
 def test_new_epoch_sets_clock_and_reseeds_once_per_epoch(agent: AgentUnderTest, client: AgentClient) -> None:
     client.ping()
     client.ping()
