@@ -10,8 +10,9 @@ the host the same code runs over a socketpair for tests:
 
 One reader thread decodes requests and answers pings itself (they only read
 clocks); every other complete request is handled in its own thread, so a long
-command never delays a ping; every frame is written under one lock. The agent never dies on a bad request: it answers with an
-error, logs to stderr (the guest console) and keeps serving.
+command never delays a ping; every frame is written under one lock. The agent
+never dies on a bad request: it answers with an error, logs to stderr (the
+guest console) and keeps serving.
 
 Commands run in their own session and, in the guest, their own cgroup v2
 (see :class:`CommandCgroups`): the agent itself is exempt from the
