@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from trees import differences, listing, make_tree
@@ -17,6 +17,7 @@ from pytest_forkd.core.vm import VM
 from pytest_forkd.errors import CopyError, InvalidArgument, UnsafeArchive
 from pytest_forkd.guest.client import AgentTimeout
 from pytest_forkd.storage.snapshot import Snapshot
+from pytest_forkd.waiting import poll_until
 
 
 @pytest.fixture(scope="module")
@@ -255,15 +256,29 @@ def take_over(vm: VM, seconds: float, outside: Path) -> int:
     vm.write_file("/tmp/hostile_tar.py", HOSTILE_TAR_AGENT)
     agent_pid = vm.ping()["pid"]
     vm.exec(f"setsid python3 /tmp/hostile_tar.py {agent_pid} {seconds} {outside} >/tmp/hostile.log 2>&1 &")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            reply = vm.agent.ping(timeout=3)
-            if reply.get("hostile"):
-                return int(reply["pid"])
-        except AgentTimeout:
-            pass
-        assert time.monotonic() < deadline, "the hostile agent never took over"
+    return wait_for_agent(vm, lambda reply: bool(reply.get("hostile")), "the hostile agent to take over", timeout=60)
+
+
+def wait_for_agent(vm: VM, accept: Callable[[dict[str, Any]], bool], what: str, timeout: float = 90) -> int:
+    """The pid of the agent whose ping reply ``accept`` takes.
+
+    Pings with the client's own short timeout, which does not close the VM: a
+    ping lost while one agent leaves the port and the next opens it is an
+    AgentTimeout, and is retried.
+    """
+
+    def accepted_reply() -> dict[str, Any] | None:
+        reply = vm.agent.ping(timeout=3)
+        return reply if accept(reply) else None
+
+    reply = poll_until(
+        accepted_reply,
+        timeout=timeout,
+        interval=0.1,
+        retry_on=(AgentTimeout,),
+        what=what,
+    )
+    return int(reply["pid"])
 
 
 def test_a_hostile_archive_from_the_guest_is_refused_and_nothing_lands_outside(
@@ -293,10 +308,7 @@ def test_a_hostile_archive_from_the_guest_is_refused_and_nothing_lands_outside(
     assert list(outside.iterdir()) == []
     assert (tmp_path / "dest" / "dotdot" / "ok.txt").read_bytes() == b"fine"  # what came before was fine
     # The hostile agent leaves, init starts the real one, which serves the same VM.
-    deadline = time.monotonic() + 90
-    while vm.ping(timeout=60)["pid"] == hostile_pid:
-        assert time.monotonic() < deadline, "the real agent never came back"
-        time.sleep(1)
+    wait_for_agent(vm, lambda reply: reply["pid"] != hostile_pid, "the real agent to come back")
     assert_usable(vm)
     assert vm.broken is None
 

@@ -37,7 +37,10 @@ def test_unchanged_suite_passes_its_own_baseline(pytester, run_forkd):
     saved = sorted((pytester.path / ".forkd" / "benchmarks").glob("*/0001_*.json"))
     assert len(saved) == 1
 
-    second = run_forkd("--forkd-autosave", "--forkd-compare", "--forkd-compare-fail=p95:50%")
+    # Two real runs minutes apart on a shared 2-core host: an unchanged suite's restore p95 moved by
+    # +70% between them, so the tolerance is wide; that the gate catches a slowdown is
+    # test_a_several_fold_slowdown_fails_the_compare_gate's job.
+    second = run_forkd("--forkd-autosave", "--forkd-compare", "--forkd-compare-fail=p95:200%")
     second.assert_outcomes(passed=6)
     second.stdout.fnmatch_lines(["*compared with 0001_*"])
     assert second.ret == pytest.ExitCode.OK, second.stdout.str()
