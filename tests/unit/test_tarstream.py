@@ -227,8 +227,9 @@ def client() -> Iterator[AgentClient]:
     thread.start()
     with AgentClient(host_end) as client:
         yield client
+    thread.join(5)  # the agent returns on the host's hang-up; closing its end first would pull the fd away
     guest_end.close()
-    thread.join(5)
+    assert not thread.is_alive(), "the agent did not stop when the host hung up"
 
 
 def test_copy_in_and_out_through_the_agent_protocol(client: AgentClient, tmp_path: Path) -> None:
