@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_pair import AgentPair
 from support import wait_until_dead
 
 from pytest_forkd.aio.cancel import RequestTicket, Withdrawn, cancel_request
 from pytest_forkd.errors import AgentError, ExecTimeout
 from pytest_forkd.guest import wire
-from pytest_forkd.guest.agent import Agent
 from pytest_forkd.guest.client import AgentClient, GuestOSError, exec_request
 from pytest_forkd.waiting import poll_until
 
@@ -32,16 +32,9 @@ class AgentUnderTest:
         self.clock: list[float] = []
         self.seeds: list[bytes] = []
         self._clock_error = clock_error
-        self.host_end, self._guest_end = socket.socketpair()
-        self.agent = agent = Agent(
-            self._guest_end.fileno(),
-            self._guest_end.fileno(),
-            set_clock=self._set_clock,
-            reseed=self.seeds.append,
-            log=self.log.append,
-        )
-        self._thread = threading.Thread(target=agent.serve_forever, daemon=True)
-        self._thread.start()
+        self._pair = AgentPair(set_clock=self._set_clock, reseed=self.seeds.append, log=self.log.append)
+        self.host_end = self._pair.host_end
+        self.agent = self._pair.agent
 
     def _set_clock(self, seconds: float) -> None:
         self.clock.append(seconds)
@@ -50,10 +43,8 @@ class AgentUnderTest:
 
     def stop(self) -> None:
         """Close the host end and check that the agent returns on end of input."""
-        self.host_end.close()
-        self._thread.join(timeout=5)
-        assert not self._thread.is_alive(), "the agent did not stop at end of input"
-        self._guest_end.close()
+        self._pair.close()
+        assert not self._pair.thread.is_alive(), "the agent did not stop at end of input"
 
 
 class RawChannel:
@@ -513,34 +504,18 @@ def test_the_agent_kills_a_running_command_by_request_id(agent: AgentUnderTest, 
 
 
 def test_commands_of_a_guest_agent_are_preferred_oom_victims_and_still_report_127() -> None:
-    host_end, guest_end = socket.socketpair()
-    agent = Agent(guest_end.fileno(), guest_end.fileno(), log=lambda message: None, oom_target=True)
-    thread = threading.Thread(target=agent.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with AgentClient(host_end) as client:
-            score = client.exec("cat /proc/self/oom_score_adj")
-            missing = client.exec(["no-such-program-anywhere"])
-    finally:
-        thread.join(timeout=5)
-        guest_end.close()
+    with AgentPair(oom_target=True) as pair, AgentClient(pair.host_end) as client:
+        score = client.exec("cat /proc/self/oom_score_adj")
+        missing = client.exec(["no-such-program-anywhere"])
 
     assert score.stdout.strip() == "500"
     assert missing.exit_code == 127 and "no-such-program-anywhere" in missing.stderr
 
 
 def test_shell_commands_of_a_guest_agent_keep_their_shell_semantics() -> None:
-    host_end, guest_end = socket.socketpair()
-    agent = Agent(guest_end.fileno(), guest_end.fileno(), log=lambda message: None, oom_target=True)
-    thread = threading.Thread(target=agent.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with AgentClient(host_end) as client:
-            shell = client.exec('echo "$0 $# [$*]"; cat /proc/self/oom_score_adj; kill -TERM $$; echo never')
-            broken = client.exec("echo ok\nif then")
-    finally:
-        thread.join(timeout=5)
-        guest_end.close()
+    with AgentPair(oom_target=True) as pair, AgentClient(pair.host_end) as client:
+        shell = client.exec('echo "$0 $# [$*]"; cat /proc/self/oom_score_adj; kill -TERM $$; echo never')
+        broken = client.exec("echo ok\nif then")
 
     assert shell.stdout == "/bin/sh 0 []\n500\n" and shell.signal == signal.SIGTERM
     assert broken.exit_code == 2 and re.search(r"(line |: )2\b", broken.stderr)  # its own line numbers

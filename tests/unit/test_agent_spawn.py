@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from agent_pair import AgentPair
 
 from pytest_forkd.core.process import GuestProcess, output_bounds
 from pytest_forkd.core.transcript import Transcript
@@ -24,7 +25,7 @@ from pytest_forkd.errors import (
     ProcessTimeout,
 )
 from pytest_forkd.guest import wire
-from pytest_forkd.guest.agent import Agent, _LiveBuffer, _unignore_terminal_signals
+from pytest_forkd.guest.agent import _LiveBuffer, _unignore_terminal_signals
 from pytest_forkd.guest.client import AgentClient, spawn_request
 
 
@@ -58,16 +59,8 @@ class HostVM:
 
 @pytest.fixture
 def channel() -> Iterator[tuple[socket.socket, socket.socket]]:
-    host_end, guest_end = socket.socketpair()
-    agent = Agent(
-        guest_end.fileno(), guest_end.fileno(), set_clock=lambda s: None, reseed=lambda b: None, log=lambda line: None
-    )
-    thread = threading.Thread(target=agent.serve_forever, daemon=True)
-    thread.start()
-    yield host_end, guest_end
-    host_end.close()
-    thread.join(timeout=5)
-    guest_end.close()
+    with AgentPair() as pair:
+        yield pair.host_end, pair.guest_end
 
 
 @pytest.fixture

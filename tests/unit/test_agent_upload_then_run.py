@@ -7,33 +7,17 @@ replying, so a quick enough exec failed with ETXTBSY (exit 126, "Text file busy"
 
 from __future__ import annotations
 
-import socket
-import threading
 from pathlib import Path
 
-from pytest_forkd.guest.agent import Agent
+from agent_pair import AgentPair
+
 from pytest_forkd.guest.client import AgentClient
 
 
 def test_an_uploaded_program_runs_in_the_very_next_request(tmp_path: Path) -> None:
-    host_end, guest_end = socket.socketpair()
-    agent = Agent(
-        guest_end.fileno(),
-        guest_end.fileno(),
-        set_clock=lambda seconds: None,
-        reseed=lambda seed: None,
-        log=lambda line: None,
-    )
-    thread = threading.Thread(target=agent.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with AgentClient(host_end) as client:
-            for round_ in range(40):
-                tool = tmp_path / f"tool{round_ % 2}"
-                client.write_file(str(tool), f"#!/bin/sh\necho round {round_}\n", mode=0o755)
-                result = client.exec([str(tool)])
-                assert (result.exit_code, result.stdout) == (0, f"round {round_}\n"), result.stderr
-    finally:
-        host_end.close()
-        thread.join(timeout=5)
-        guest_end.close()
+    with AgentPair() as pair, AgentClient(pair.host_end) as client:
+        for round_ in range(40):
+            tool = tmp_path / f"tool{round_ % 2}"
+            client.write_file(str(tool), f"#!/bin/sh\necho round {round_}\n", mode=0o755)
+            result = client.exec([str(tool)])
+            assert (result.exit_code, result.stdout) == (0, f"round {round_}\n"), result.stderr

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from agent_pair import AgentPair
 from support import wait_until_dead
 
 from pytest_forkd.aio import AsyncVM
 from pytest_forkd.aio import vm as aio_vm
 from pytest_forkd.errors import VMError
-from pytest_forkd.guest.agent import Agent
 from pytest_forkd.guest.client import AgentClient, AgentTimeout
 
 
@@ -36,17 +34,8 @@ class HostVM:
 
 @pytest.fixture
 def host_vm() -> Iterator[HostVM]:
-    host_end, guest_end = socket.socketpair()
-    agent = Agent(
-        guest_end.fileno(), guest_end.fileno(), set_clock=lambda _: None, reseed=lambda _: None, log=lambda _: None
-    )
-    thread = threading.Thread(target=agent.serve_forever, daemon=True)
-    thread.start()
-    client = AgentClient(host_end)
-    yield HostVM(client)
-    client.close()
-    thread.join(timeout=5)
-    guest_end.close()
+    with AgentPair() as pair, AgentClient(pair.host_end) as client:
+        yield HostVM(client)
 
 
 def test_a_cancellation_the_guest_does_not_confirm_marks_the_handle_broken(host_vm: HostVM, monkeypatch) -> None:

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_pair import AgentPair
 from trees import differences, listing, make_tree
 
 from pytest_forkd.core import copy as copy_module
 from pytest_forkd.errors import CopyError, GuestProtocolError, UnsafeArchive
 from pytest_forkd.guest import tarstream, wire
-from pytest_forkd.guest.agent import Agent
 from pytest_forkd.guest.client import AgentClient
 from pytest_forkd.guest.tarstream import ArchiveRefused, ChunkPipe, Excludes, PipeStalled, pack, unpack
 
@@ -219,17 +219,8 @@ def test_a_chunk_pipe_bounds_what_it_holds_and_notices_stalls() -> None:
 
 @pytest.fixture
 def client() -> Iterator[AgentClient]:
-    host_end, guest_end = socket.socketpair()
-    agent = Agent(
-        guest_end.fileno(), guest_end.fileno(), set_clock=lambda s: None, reseed=lambda b: None, log=lambda line: None
-    )
-    thread = threading.Thread(target=agent.serve_forever, daemon=True)
-    thread.start()
-    with AgentClient(host_end) as client:
+    with AgentPair() as pair, AgentClient(pair.host_end) as client:
         yield client
-    thread.join(5)  # the agent returns on the host's hang-up; closing its end first would pull the fd away
-    guest_end.close()
-    assert not thread.is_alive(), "the agent did not stop when the host hung up"
 
 
 def test_copy_in_and_out_through_the_agent_protocol(client: AgentClient, tmp_path: Path) -> None:
