@@ -49,9 +49,8 @@ class AgentPair:
         deadline = time.monotonic() + timeout
         started = [thread for thread in threading.enumerate() if thread not in self._before]
         for thread in started:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
-        if any(thread.is_alive() for thread in started if thread is not threading.current_thread()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in started):
             _PARKED.append(self.guest_end)
             return False
         self.guest_end.close()

@@ -1,13 +1,19 @@
-"""Process probes shared by the test suites: is a VM (or any process) gone, who still uses a path."""
+"""Probes shared by the test suites: is a VM (or any process) gone, who still uses a path, which agent answers."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pytest_forkd import processes
 from pytest_forkd.errors import WaitTimeout
+from pytest_forkd.guest.client import AgentTimeout
 from pytest_forkd.waiting import poll_until
+
+if TYPE_CHECKING:
+    from pytest_forkd.core.vm import VM
 
 
 def is_running(pid: int) -> bool:
@@ -39,3 +45,23 @@ def processes_mentioning(path: Path | str) -> list[str]:
             words = cmdline.replace(b"\0", b" ").decode(errors="replace")
             found.append(f"{entry.name}: {words[:300]}")
     return found
+
+
+def wait_for_agent(
+    vm: VM, accept: Callable[[dict[str, Any]], bool], what: str, *, timeout: float = 90, interval: float = 0.1
+) -> dict[str, Any]:
+    """The first ping reply of ``vm``'s guest agent that ``accept`` takes.
+
+    Pings with the client's own short timeout, which does not close the VM: a
+    ping lost while one agent leaves the port and the next opens it is an
+    AgentTimeout, and is retried.
+    """
+
+    def accepted_reply() -> dict[str, Any] | None:
+        reply = vm.agent.ping(timeout=3)
+        return reply if accept(reply) else None
+
+    reply: dict[str, Any] = poll_until(
+        accepted_reply, timeout=timeout, interval=interval, retry_on=(AgentTimeout,), what=what
+    )
+    return reply

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from support import wait_for_agent
 
 from pytest_forkd.core.vm import VM
 from pytest_forkd.errors import ForkdError, GuestCrashed, GuestProtocolError
-from pytest_forkd.guest.client import AgentTimeout
-from pytest_forkd.waiting import poll_until
 
 HOSTILE_AGENT = r"""
 import json, os, signal, sys, time
@@ -132,14 +131,8 @@ def take_over(vm: VM, mode: str, seconds: float) -> None:
     vm.write_file("/tmp/hostile.py", HOSTILE_AGENT)
     agent_pid = vm.ping()["pid"]
     vm.exec(f"setsid python3 /tmp/hostile.py {mode} {agent_pid} {seconds} >/tmp/hostile.log 2>&1 &")
-    # The client's own ping, which times out without closing the VM; a ping lost while the agents
-    # change places is an AgentTimeout, retried.
-    poll_until(
-        lambda: vm.agent.ping(timeout=3).get("hostile"),
-        timeout=60,
-        interval=0.01,
-        retry_on=(AgentTimeout,),
-        what="the hostile agent to take over",
+    wait_for_agent(
+        vm, lambda reply: bool(reply.get("hostile")), "the hostile agent to take over", timeout=60, interval=0.01
     )
 
 
@@ -186,14 +179,8 @@ def test_a_guest_that_sends_hostile_frames_and_then_behaves_is_served_again(vm: 
     counted = vm.protocol_errors
     assert counted.get("json", 0) >= 3 and counted.get("unknown_id", 0) >= 3
 
-    # The hostile agent leaves; init starts the real one, which serves the same channel. A ping lost
-    # while they change places is the client's own AgentTimeout (the VM stays open), retried.
-    poll_until(
-        lambda: vm.agent.ping(timeout=3)["pid"] != hostile_pid,
-        timeout=90,
-        interval=1,  # each ping the hostile agent answers comes with bad frames, which count towards the cut-off
-        retry_on=(AgentTimeout,),
-        what="the real agent to come back",
-    )
+    # The hostile agent leaves; init starts the real one, which serves the same channel. One ping a
+    # second: each one the hostile agent answers comes with bad frames, which count towards the cut-off.
+    wait_for_agent(vm, lambda reply: reply["pid"] != hostile_pid, "the real agent to come back", interval=1)
     assert vm.exec("echo served again").stdout == "served again\n"
     assert vm.broken is None

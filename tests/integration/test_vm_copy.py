@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support import wait_for_agent
 from trees import differences, listing, make_tree
 
 from pytest_forkd.core import copy as copy_module
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
 from pytest_forkd.errors import CopyError, InvalidArgument, UnsafeArchive
-from pytest_forkd.guest.client import AgentTimeout
 from pytest_forkd.storage.snapshot import Snapshot
-from pytest_forkd.waiting import poll_until
 
 
 @pytest.fixture(scope="module")
@@ -256,28 +254,7 @@ def take_over(vm: VM, seconds: float, outside: Path) -> int:
     vm.write_file("/tmp/hostile_tar.py", HOSTILE_TAR_AGENT)
     agent_pid = vm.ping()["pid"]
     vm.exec(f"setsid python3 /tmp/hostile_tar.py {agent_pid} {seconds} {outside} >/tmp/hostile.log 2>&1 &")
-    return wait_for_agent(vm, lambda reply: bool(reply.get("hostile")), "the hostile agent to take over", timeout=60)
-
-
-def wait_for_agent(vm: VM, accept: Callable[[dict[str, Any]], bool], what: str, timeout: float = 90) -> int:
-    """The pid of the agent whose ping reply ``accept`` takes.
-
-    Pings with the client's own short timeout, which does not close the VM: a
-    ping lost while one agent leaves the port and the next opens it is an
-    AgentTimeout, and is retried.
-    """
-
-    def accepted_reply() -> dict[str, Any] | None:
-        reply = vm.agent.ping(timeout=3)
-        return reply if accept(reply) else None
-
-    reply = poll_until(
-        accepted_reply,
-        timeout=timeout,
-        interval=0.1,
-        retry_on=(AgentTimeout,),
-        what=what,
-    )
+    reply = wait_for_agent(vm, lambda reply: bool(reply.get("hostile")), "the hostile agent to take over", timeout=60)
     return int(reply["pid"])
 
 
