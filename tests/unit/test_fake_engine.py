@@ -37,13 +37,6 @@ needs_dirty_tracking = pytest.mark.skipif(pagemap_scan_problem() is not None, re
 
 
 @pytest.fixture(scope="module")
-def factory() -> Iterator[VMFactory]:
-    factory = VMFactory(engine="fake")
-    yield factory
-    factory.close()
-
-
-@pytest.fixture(scope="module")
 def base(factory: VMFactory) -> Snapshot:
     root = factory.boot(memory_mib=MEMORY_MIB)
     root.exec(["sh", "-c", "echo base > marker"])

@@ -29,13 +29,6 @@ MEMORY_MIB = 64
 
 
 @pytest.fixture(scope="module")
-def factory() -> Iterator[VMFactory]:
-    factory = VMFactory(engine="fake")
-    yield factory
-    factory.close()
-
-
-@pytest.fixture(scope="module")
 def base(factory: VMFactory) -> Snapshot:
     root = factory.boot(memory_mib=MEMORY_MIB)
     root.exec(["sh", "-c", "echo base > marker"])
