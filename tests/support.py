@@ -7,13 +7,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_forkd import processes
+import tenacity
+
+from pytest_forkd import paths, processes
 from pytest_forkd.errors import WaitTimeout
 from pytest_forkd.guest.client import AgentTimeout
 from pytest_forkd.waiting import poll_until
 
 if TYPE_CHECKING:
     from pytest_forkd.core.vm import VM
+
+#: The real user cache, read before pytester points HOME at a temporary directory: the inner
+#: runs reuse the default guest image and the accelerator verdict instead of rebuilding them.
+USER_CACHE = paths.cache_dir()
 
 
 def is_running(pid: int) -> bool:
@@ -65,3 +71,11 @@ def wait_for_agent(
         accepted_reply, timeout=timeout, interval=interval, retry_on=(AgentTimeout,), what=what
     )
     return reply
+
+
+def assert_nothing_left(shm_dir: Path) -> None:
+    """No QEMU (or anything else) still uses the run's shm directory, and no run directory is left in it."""
+    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.2), reraise=True):
+        with attempt:
+            assert processes_mentioning(str(shm_dir)) == []
+    assert sorted(path.name for path in shm_dir.glob("*")) == []

@@ -9,22 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import tenacity
-from support import processes_mentioning
-
-from pytest_forkd import paths
-
-#: The real user cache, read before pytester points HOME at a temporary directory: the inner
-#: runs reuse the default guest image and the accelerator verdict instead of rebuilding them.
-USER_CACHE = paths.cache_dir()
-
-
-def assert_nothing_left(shm_dir: Path) -> None:
-    """No QEMU (or anything else) still uses the run's shm directory, and no run directory is left in it."""
-    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.2), reraise=True):
-        with attempt:
-            assert processes_mentioning(str(shm_dir)) == []
-    assert sorted(path.name for path in shm_dir.glob("*")) == []
+from support import USER_CACHE, assert_nothing_left
 
 
 @pytest.fixture(scope="session")

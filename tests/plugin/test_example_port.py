@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import assert_nothing_left
+from support import assert_nothing_left
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "port_project"
 SUBSET = "test_tlz or test_utils or test_signatures or test_the_tests_import_the_copied_source"

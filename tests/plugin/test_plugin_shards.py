@@ -55,7 +55,7 @@ def forkd_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
 def test_shards_import_one_build_merge_into_one_baseline_and_gate(
     pytester: pytest.Pytester, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from conftest import USER_CACHE, assert_nothing_left
+    from support import USER_CACHE, assert_nothing_left
 
     pytester.makepyfile(test_suite=SUITE)
     # -- build job: fill a store, export base ----------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_shards_import_one_build_merge_into_one_baseline_and_gate(
 def test_a_suite_runs_from_a_read_only_shared_store(
     pytester: pytest.Pytester, run_forkd, shm_dir: Path, shared_store: Path, tmp_path: Path
 ) -> None:
-    from conftest import assert_nothing_left
+    from support import assert_nothing_left
 
     pytester.makepyfile(test_suite=SUITE)
     run_forkd("test_suite.py::test_first_half").assert_outcomes(passed=2)  # base is in the shared store now
