@@ -21,6 +21,7 @@ from typing import Any, Callable
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.pool import park_vm, unpark_vm
 from pytest_forkd.core.vm import VM
+from pytest_forkd.engine import memory
 from pytest_forkd.engine.qemu.accel import AccelVerdict
 from pytest_forkd.errors import InvalidArgument
 from pytest_forkd.image import ensure_image
@@ -676,6 +677,7 @@ def _conditions(factory: VMFactory, plan: BenchPlan, verdict: AccelVerdict) -> d
         "accel": verdict.accel,
         "accel_reason": verdict.reason,
         "store": "run directory on " + str(factory.run_dir.path.parent),
+        "free_page_reporting": memory.free_page_reporting(),
         "repeats": plan.repeats,
         "network": plan.network,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -312,6 +312,29 @@ def pagemap_scan_problem() -> str | None:
     return None
 
 
+#: Feature bit of a virtio balloon that reports freed guest memory to the host (VIRTIO_BALLOON_F_REPORTING).
+BALLOON_REPORTING_BIT = 5
+
+
+def free_page_reporting(sysfs: Path = Path("/sys")) -> bool:
+    """Whether this machine is a virtual one that hands its freed memory back to its host.
+
+    A virtio balloon with free page reporting does that within seconds, and a
+    page the host took back costs a host fault when it is used again, so
+    restores that need new memory are slower than those that reuse memory
+    just freed. ``forkd bench`` records it with its figures. Read from the
+    feature bits the balloon driver negotiated (a string of 0/1 per bit).
+    """
+    for features in (sysfs / "bus/virtio/drivers/virtio_balloon").glob("virtio*/features"):
+        try:
+            bits = features.read_text().strip()
+        except OSError:
+            continue
+        if len(bits) > BALLOON_REPORTING_BIT and bits[BALLOON_REPORTING_BIT] == "1":
+            return True
+    return False
+
+
 def filesystem_type(path: str | os.PathLike[str]) -> str:
     """Type of the filesystem holding ``path`` (``tmpfs``, ``ext4``...), from /proc/self/mounts."""
     target = os.path.realpath(path)

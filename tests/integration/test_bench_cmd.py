@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_forkd.engine import memory
 from pytest_forkd.storage.backend import registry
 
 FORKD = str(Path(sys.executable).parent / "forkd")
@@ -81,6 +82,7 @@ def test_bench_prints_every_figure_as_json(tmp_path: Path) -> None:
     assert tree["files"] == 20000 and tree["paths"] > 20000
     assert (tree["added"], tree["modified"], tree["deleted"]) == (100, 150, 100)
     assert printed["conditions"]["accel"] in ("kvm", "tcg")
+    assert printed["conditions"]["free_page_reporting"] is memory.free_page_reporting()
     rows = {(row["backend"], row["memory_mib"], row["dirty_mib"]): row for row in printed["branch"]}
     assert set(rows) == {("full", 256, 0), ("full", 256, 8), ("diff", 256, 0), ("diff", 256, 8)}
     for row in rows.values():

@@ -159,3 +159,17 @@ def test_zero_page_runs_skip_holes_and_merge_neighbours(tmpfs_dir: Path) -> None
             (10 * PAGE_SIZE, 3 * PAGE_SIZE),
             (14 * PAGE_SIZE, 2 * PAGE_SIZE),
         ]
+
+
+def _balloon(sysfs: Path, device: str, features: str) -> None:
+    directory = sysfs / "bus/virtio/drivers/virtio_balloon" / device
+    directory.mkdir(parents=True)
+    (directory / "features").write_text(features + "\n")
+
+
+def test_free_page_reporting_is_read_from_the_balloon_feature_bits(tmp_path: Path) -> None:
+    assert memory.free_page_reporting(tmp_path) is False  # no balloon at all
+    _balloon(tmp_path, "virtio0", "0110000000000000")  # stats and deflate-on-oom, no reporting
+    assert memory.free_page_reporting(tmp_path) is False
+    _balloon(tmp_path, "virtio3", "0110010100000000")  # bit 5: free page reporting
+    assert memory.free_page_reporting(tmp_path) is True
