@@ -168,7 +168,9 @@ def test_background_processes_of_the_guest_pause_with_it_and_die_with_it(base: S
             assert state.read_text().rsplit(")", 1)[1].split()[0] == "T"  # stopped with the guest
     child.machine.resume()
     child.close()
-    assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.01), reraise=True):
+        with attempt:  # SIGKILL, like SIGSTOP, takes effect once the process is scheduled
+            assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_qemu_facts_of_a_fake_factory_are_a_clear_error(factory: VMFactory) -> None:
