@@ -1,4 +1,8 @@
-"""Probes shared by the test suites: is a VM (or any process) gone, who still uses a path, which agent answers."""
+"""Probes shared by the test suites: is a VM (or any process) gone, who still uses a path, which agent answers.
+
+Also the real user cache that inner pytest runs reuse; the helpers live here rather than in a
+conftest, whose module name pytest gives to whichever conftest it imported last.
+"""
 
 from __future__ import annotations
 
