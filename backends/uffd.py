@@ -1,15 +1,26 @@
-"""The ``uffd`` storage backend: a live branch, memory written while the guest runs.
+"""The ``uffd`` storage backend: a live branch, whose pause does not grow with memory size.
 
-Every VM uses the engine's ``live_snapshot`` (QEMU: its
+A child (a VM mapping an immutable snapshot file copy-on-write) is branched by
+*pre-copy under asynchronous write-protection* where the host allows it
+(Linux 6.7+, ptrace permission on the VMM; see
+:mod:`pytest_forkd.engine.writetrack`): while the guest runs, all of guest
+RAM is write-protected with a userfaultfd made inside the VMM, in the mode
+where the kernel itself lifts the protection of a page at its first write,
+and the pages the child owns (those it changed since its base) are copied
+out. The pause then stops the VM, saves the device state, and copies only the
+pages written since the protection, listed by ``PAGEMAP_SCAN``. No fault
+handler runs, so nothing the guest does can wait on this process. The flat
+memory file (the base plus those pages) is written in the background from
+descriptors opened before the pause.
+
+Elsewhere (a root VM, whose RAM file is its own; an older kernel; no ptrace
+permission) it uses the engine's ``live_snapshot`` (QEMU: its
 ``background-snapshot`` migration), which write-protects all of guest RAM and
 streams it out while the guest runs; the stream is materialised in the
 background (``Machine.materialise``: a loader process reads it into a fresh
 flat RAM file and saves the device state children load). Its pause grows with
-memory size (QEMU reads every page in and write-protects them all while the
-VM is stopped). Copying only a child's own pages from outside the VMM, under
-a userfaultfd made inside it, kept the pause flat, but children restored from
-such a branch of a VM with a background process crashed: the VMM's own
-snapshot is the one known to be consistent.
+memory size: QEMU reads every page in and write-protects them all, one
+page-table entry each, while the VM is stopped.
 
 QEMU allocates every page it reads on tmpfs: the read before the
 write-protection fills the holes of the file the VM maps (its base snapshot's
@@ -35,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_forkd.engine import memory
+from pytest_forkd.engine.writetrack import WriteTracker, WriteTrackingUnavailable
 from pytest_forkd.errors import SnapshotError
 from pytest_forkd.storage.backend import (
     MEMORY_FILE,
@@ -139,11 +151,112 @@ class PauseMeter:
 
 class UffdBackend(StorageBackend):
     id = "uffd"
-    description = "live branch: userfaultfd write-protect (the engine's live snapshot), memory written in background"
+    description = (
+        "live branch: memory copied while the guest runs under userfaultfd write-protection "
+        "(the pause copies only what it wrote meanwhile), flat file written in background"
+    )
     requires_tmpfs_memory = True
     requires = ("live_snapshot",)
 
+    def __init__(self, precopy: bool = True) -> None:
+        self.precopy = precopy
+        """Pre-copy children's memory under asynchronous write-tracking where the host allows it
+        (False: always the engine's live snapshot, whose pause grows with memory size)."""
+
     def capture(self, source: CaptureSource, target: Path) -> Capture:
+        tracker = self._tracker(source) if self.precopy else None
+        if tracker is not None:
+            return self._capture_precopy(source, target, tracker)
+        return self._capture_live_snapshot(source, target)
+
+    def _tracker(self, source: CaptureSource) -> WriteTracker | None:
+        """Write-tracking of a child's guest RAM, or None where pre-copy does not apply (said in the log)."""
+        if _mapped_base(source) is None:
+            return None  # a root VM: its RAM file changes with the guest, so it cannot be copied later
+        layout = source.machine.memory_layout()
+        try:
+            return WriteTracker(layout.pid, layout.start, layout.length)
+        except WriteTrackingUnavailable as exc:
+            log.info("uffd branch of %s uses the engine's live snapshot: %s", source.machine.name, exc)
+            return None
+
+    def _capture_precopy(self, source: CaptureSource, target: Path, tracker: WriteTracker) -> Capture:
+        machine = source.machine
+        layout = machine.memory_layout()
+        pages_path = machine.directory / f"{machine.name}.precopy{next(_counter)}"
+        with tracker:
+            base = os.open(layout.path, os.O_RDONLY | os.O_CLOEXEC)  # immutable: the memory the child maps
+            try:
+                pages = os.open(pages_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except BaseException:
+                os.close(base)
+                raise
+            return self._precopy(source, target, tracker, base, pages, pages_path)
+
+    def _precopy(
+        self, source: CaptureSource, target: Path, tracker: WriteTracker, base: int, pages: int, pages_path: Path
+    ) -> Capture:
+        """Copy the child's own pages into ``pages`` while it runs, then pause and copy what it wrote since."""
+        machine = source.machine
+        layout = machine.memory_layout()
+        meter = PauseMeter(source.ping)
+        started = meter.start()
+        try:
+            owned = tracker.protect()
+            os.ftruncate(pages, layout.length)
+            precopied = memory.copy_out(layout.pid, layout.start, owned, pages)
+            machine.stop()
+            try:
+                machine.save_device_state(target / STATE_FILE)
+                rewritten = tracker.written()
+                in_pause = memory.copy_out(layout.pid, layout.start, rewritten, pages)
+            finally:
+                machine.resume()
+            tracker.close()  # lifting the protection left is part of what the guest sees
+        except BaseException:
+            os.close(base)
+            os.close(pages)
+            pages_path.unlink(missing_ok=True)
+            try:
+                meter.stop(started)
+            except SnapshotError as exc:
+                log.info("pause meter after a failed uffd branch: %s", exc)
+            raise
+        pause_ms = meter.stop(started)
+
+        def finish(snapshot: Snapshot, store: SnapshotStore) -> tuple[Path, Path | None, dict[str, Any]]:
+            try:
+                memory_tmp = store.scratch_dir(snapshot.tag) / MEMORY_FILE
+                flat = os.open(memory_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    os.ftruncate(flat, layout.length)
+                    memory.copy_extents(base, flat, memory.data_extents(base))
+                    memory.copy_extents(pages, flat, memory.data_extents(pages))
+                    allocated = os.fstat(flat).st_blocks * 512
+                finally:
+                    os.close(flat)
+                return memory_tmp, None, {"bytes_written": allocated}
+            finally:
+                os.close(base)
+                os.close(pages)
+                pages_path.unlink(missing_ok=True)
+
+        return Capture(
+            pause_ms=pause_ms,
+            bytes_written=0,
+            memory_file=MEMORY_FILE,
+            dirty_bytes=precopied,
+            status="writing",
+            finish=finish,
+            extra={
+                "live": True,
+                "method": "precopy",
+                "precopied_bytes": precopied,
+                "pause_copied_bytes": in_pause,
+            },
+        )
+
+    def _capture_live_snapshot(self, source: CaptureSource, target: Path) -> Capture:
         machine = source.machine
         stream = machine.directory / f"{machine.name}.bgsnap{next(_counter)}"
         base = _mapped_base(source)
@@ -190,7 +303,7 @@ class UffdBackend(StorageBackend):
             memory_file=MEMORY_FILE,
             status="writing",
             finish=finish,
-            extra={"live": True},
+            extra={"live": True, "method": "live_snapshot"},
         )
 
 

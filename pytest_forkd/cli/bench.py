@@ -188,7 +188,7 @@ def _run_parts(factory: VMFactory, plan: BenchPlan, progress: Callable[[str], No
     if "uffd" in plan.parts:
         result.update(
             measure_uffd_pause(
-                factory, sorted({min(plan.memory_mib), max(plan.memory_mib)}), max(plan.repeats, 5), progress
+                factory, sorted({min(plan.memory_mib), max(plan.memory_mib)}), max(plan.repeats, UFFD_SAMPLES), progress
             )
         )
     if {"diff", "memory", "speed"} & set(plan.parts):
@@ -691,6 +691,11 @@ def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
 # -- issue figures: live-branch pause vs memory, diff pause over successive branches, PSS, guest speed ----
 
 
+UFFD_SAMPLES = 15
+"""Live branches per memory size at least: a pause of 5-10 ms moves by a few ms with the host's load,
+and the growth figure is a ratio of two medians."""
+
+
 def measure_uffd_pause(
     factory: VMFactory, memory_sizes: list[int], repeats: int, progress: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -699,6 +704,7 @@ def measure_uffd_pause(
         progress(f"skipping uffd pause: {registry().get('uffd').unavailable_reason()}")
         return {}
     pauses: dict[int, list[float]] = {}
+    methods: set[str] = set()
     for memory_mib in memory_sizes:
         progress(f"uffd pause: {memory_mib} MiB guest, x {repeats}")
         root = factory.boot(memory_mib=memory_mib)
@@ -708,12 +714,17 @@ def measure_uffd_pause(
                 snapshot = root.branch(backend="uffd")
                 snapshot = snapshot.wait_ready(timeout=600) if not snapshot.is_ready else snapshot
                 pauses.setdefault(memory_mib, []).append(snapshot.pause_ms or 0.0)
+                methods.add(str(snapshot.extra.get("method", "?")))
                 SnapshotStore(snapshot.path.parent).remove(snapshot.tag, cascade=True)
         finally:
             root.close()
             SnapshotStore(base.path.parent).remove(base.tag, cascade=True)
     p50 = {size: figure(values)["p50"] for size, values in pauses.items()}
-    result: dict[str, Any] = {"uffd_pause_ms": p50, "uffd_pause_figures": {s: figure(v) for s, v in pauses.items()}}
+    result: dict[str, Any] = {
+        "uffd_pause_ms": p50,
+        "uffd_pause_figures": {s: figure(v) for s, v in pauses.items()},
+        "uffd_method": ",".join(sorted(methods)),
+    }
     if len(p50) >= 2:
         small, large = min(p50), max(p50)
         result["uffd_growth_ratio"] = round(p50[large] / p50[small], 3)

@@ -20,6 +20,9 @@ from ..errors import BackendError, ForkdError, HostNotReady, VMError
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
+PM_SCAN_WP_MATCHING = 1 << 0
+PM_SCAN_CHECK_WPASYNC = 1 << 1
+PAGE_IS_WRITTEN = 1 << 1
 PAGE_IS_FILE = 1 << 2
 PAGE_IS_PRESENT = 1 << 3
 PAGE_IS_SWAPPED = 1 << 4
@@ -57,32 +60,86 @@ def private_pages(pid: int, start: int, length: int) -> list[tuple[int, int]]:
     These are exactly the pages a copy-on-write child has written (or that were
     written into it when it was restored from a diff).
     """
+    return scan_pages(
+        pid,
+        start,
+        length,
+        required=PAGE_IS_FILE,
+        inverted=PAGE_IS_FILE,
+        anyof=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+    )
+
+
+def written_pages(pid: int, start: int, length: int) -> list[tuple[int, int]]:
+    """(offset, length) ranges, relative to ``start``, of pages written since they were write-protected.
+
+    Meaningful inside a range registered with an asynchronous userfaultfd (see
+    :mod:`pytest_forkd.engine.writetrack`): a page the guest wrote lost its
+    protection; a page never mapped is not reported.
+    """
+    return scan_pages(pid, start, length, required=PAGE_IS_WRITTEN)
+
+
+def scan_pages(
+    pid: int, start: int, length: int, *, required: int, inverted: int = 0, anyof: int = 0
+) -> list[tuple[int, int]]:
+    """``PAGEMAP_SCAN`` of process ``pid``: the merged ranges (relative to ``start``) whose pages
+    have every category bit of ``required`` (each bit of ``inverted`` counting when *unset*) and,
+    if ``anyof`` is given, at least one of its bits."""
+    ranges: list[tuple[int, int]] = []
+    for offset, size, _ in scan_regions(
+        pid, start, length, required=required, inverted=inverted, anyof=anyof, report=required | anyof
+    ):
+        if ranges and ranges[-1][0] + ranges[-1][1] == offset:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + size)
+        else:
+            ranges.append((offset, size))
+    return ranges
+
+
+def scan_regions(
+    pid: int,
+    start: int,
+    length: int,
+    *,
+    required: int = 0,
+    inverted: int = 0,
+    anyof: int = 0,
+    report: int,
+    flags: int = 0,
+) -> list[tuple[int, int, int]]:
+    """(offset, length, categories) of the matching regions, as :func:`scan_pages` selects them.
+
+    ``report`` names the category bits returned (regions split where they
+    change); ``flags`` are PM_SCAN flags (``PM_SCAN_WP_MATCHING`` write-protects
+    what matched, page by page under the page-table lock, in a range registered
+    with an asynchronous userfaultfd).
+    """
     vec = (_Region * _VEC_LEN)()
     arg = _ScanArg()
     arg.size = ctypes.sizeof(_ScanArg)
+    arg.flags = flags
     arg.vec = ctypes.addressof(vec)
     arg.vec_len = _VEC_LEN
-    arg.category_inverted = PAGE_IS_FILE
-    arg.category_mask = PAGE_IS_FILE
-    arg.category_anyof_mask = PAGE_IS_PRESENT | PAGE_IS_SWAPPED
-    arg.return_mask = PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE
+    arg.category_inverted = inverted
+    arg.category_mask = required
+    arg.category_anyof_mask = anyof
+    arg.return_mask = report
     end = start + length
-    ranges: list[tuple[int, int]] = []
+    regions: list[tuple[int, int, int]] = []
     with os.fdopen(open_process_file(pid, "pagemap", os.O_RDONLY), "rb") as pagemap:
         cursor = start
         while cursor < end:
             arg.start, arg.end = cursor, end
             count = fcntl.ioctl(pagemap.fileno(), PAGEMAP_SCAN, arg)
-            for region in vec[:count]:
-                offset = region.start - start
-                if ranges and ranges[-1][0] + ranges[-1][1] == offset:
-                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + region.end - region.start)
-                else:
-                    ranges.append((offset, region.end - region.start))
-            if arg.walk_end <= cursor or count < _VEC_LEN and arg.walk_end >= end:
+            regions += [(region.start - start, region.end - region.start, region.categories) for region in vec[:count]]
+            # Fewer regions than room for them: the walk is complete. (walk_end may then stop short
+            # of regions already returned, e.g. at the start of a trailing hole: re-walking from
+            # there would report them twice.) A full vector ends where the walk stopped.
+            if count < _VEC_LEN:
                 break
-            cursor = arg.walk_end
-    return ranges
+            cursor = max(arg.walk_end, vec[count - 1].end)
+    return regions
 
 
 def _chunks(ranges: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:

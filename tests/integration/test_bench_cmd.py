@@ -113,6 +113,8 @@ def test_bench_parts_report_pauses_memory_and_guest_speed(tmp_path: Path) -> Non
     if registry().get("uffd").unavailable_reason() is None:
         assert set(printed["uffd_pause_ms"]) == {"256"} and printed["uffd_pause_ms"]["256"] > 0
         assert "uffd_growth_ratio" not in printed  # one memory size: nothing to compare
+        assert printed["uffd_pause_figures"]["256"]["n"] >= 15
+        assert printed["uffd_method"] == ("precopy" if memory.pagemap_scan_problem() is None else "live_snapshot")
     else:
         assert "skipping uffd pause" in result.stderr
 

@@ -13,11 +13,13 @@ from typing import Iterator
 
 import pytest
 from forkd_backends.diff import DiffBackend
+from forkd_backends.uffd import UffdBackend
 from tenacity import Retrying, retry_if_exception_type, retry_if_result, stop_after_delay, wait_fixed
 
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.pool import ChildPool
 from pytest_forkd.core.vm import VM
+from pytest_forkd.engine import memory
 from pytest_forkd.errors import BackendError, SnapshotError
 from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.latency import timings
@@ -37,6 +39,7 @@ BACKENDS = ["full", "diff", "uffd"]
 MIB = 1 << 20
 FAILING_BACKEND = "itest-fails-mid-capture"
 EAGER_FLATTEN_BACKEND = "itest-diff-flattens-early"
+LIVE_SNAPSHOT_BACKEND = "itest-uffd-engine-live-snapshot"
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -123,6 +126,15 @@ class FlattensEarly(DiffBackend):
         super().__init__(flatten_fraction=0.01, rebase_mib=None)  # a diff, however much the VM changed
 
 
+class EngineLiveSnapshot(UffdBackend):
+    """The uffd backend without pre-copy: always the engine's live snapshot (what root VMs and older kernels get)."""
+
+    id = LIVE_SNAPSHOT_BACKEND
+
+    def __init__(self) -> None:
+        super().__init__(precopy=False)
+
+
 class ItestBackends:
     """A backend plugin object, registered at run time through ``register_plugin`` (no entry point)."""
 
@@ -130,13 +142,14 @@ class ItestBackends:
     def forkd_register_backends(self, registry: BackendRegistry) -> None:
         registry.add(FailsMidCapture())
         registry.add(FlattensEarly())
+        registry.add(EngineLiveSnapshot())
 
 
 @pytest.fixture(scope="module")
 def external_backends() -> None:
     if FAILING_BACKEND not in registry():
         register_plugin(ItestBackends())
-    assert {FAILING_BACKEND, EAGER_FLATTEN_BACKEND, *BACKENDS} <= set(registry().ids())
+    assert {FAILING_BACKEND, EAGER_FLATTEN_BACKEND, LIVE_SNAPSHOT_BACKEND, *BACKENDS} <= set(registry().ids())
 
 
 # -- isolation ---------------------------------------------------------------------------
@@ -360,13 +373,27 @@ def test_frozen_root_vm_continues_as_a_child_of_its_snapshot(factory: VMFactory,
 # -- backend specifics --------------------------------------------------------------------------
 
 
-def test_uffd_branch_is_written_in_the_background_and_forks_wait_for_it(vm: VM, owned: Owned) -> None:
+#: Pre-copy needs asynchronous userfaultfd write-protection, from the same kernel release as PAGEMAP_SCAN.
+NO_PRECOPY = memory.pagemap_scan_problem()
+UFFD_METHODS = [
+    pytest.param(
+        "uffd", "precopy", id="uffd-precopy", marks=pytest.mark.skipif(NO_PRECOPY is not None, reason=str(NO_PRECOPY))
+    ),
+    pytest.param(LIVE_SNAPSHOT_BACKEND, "live_snapshot", id="uffd-engine-live-snapshot"),
+]
+
+
+@pytest.mark.parametrize(("backend", "method"), UFFD_METHODS)
+def test_uffd_branch_is_written_in_the_background_and_forks_wait_for_it(
+    vm: VM, owned: Owned, external_backends: None, backend: str, method: str
+) -> None:
     vm.write_file("/root/before-branch", "captured")
 
-    snapshot = vm.branch(backend="uffd")
+    snapshot = vm.branch(backend=backend)
     vm.write_file("/root/after-branch", "not captured")
 
     assert snapshot.status == "writing" and snapshot.extra["live"]
+    assert snapshot.extra["method"] == method  # a child on this kernel is pre-copied
     child = owned(snapshot.fork(1))[0]  # waits for the memory to be written
     assert child.read_file("/root/before-branch") == b"captured"
     assert not exists(child, "/root/after-branch")
@@ -378,27 +405,50 @@ def allocated(path: Path) -> int:
     return path.stat().st_blocks * 512
 
 
-def test_uffd_branch_leaves_its_snapshot_and_the_base_sparse(vm: VM, owned: Owned) -> None:
-    """QEMU's read of every page allocates the holes of tmpfs files; the branch gives them back."""
+@pytest.mark.parametrize(("backend", "method"), UFFD_METHODS)
+def test_uffd_branch_leaves_its_snapshot_and_the_base_sparse(
+    vm: VM, owned: Owned, external_backends: None, backend: str, method: str
+) -> None:
+    """Pre-copy never reads the holes of the base; QEMU's read of every page allocates them, and
+    the branch gives them back. Either way the new snapshot keeps its zero pages as holes."""
     base = vm.memory_base
     assert base is not None and base.memory_path is not None and vm.machine.ram_path == base.memory_path
     base_before, base_mtime = allocated(base.memory_path), base.memory_path.stat().st_mtime_ns
     content = vm.exec("head -c 2097152 /dev/urandom > /root/payload && sha256sum /root/payload", check=True).stdout
 
-    snapshot = vm.branch(backend="uffd")
-    child = owned(snapshot.fork(1))[0]  # waits until the memory is written and the zero pages punched
+    snapshot = vm.branch(backend=backend)
+    child = owned(snapshot.fork(1))[0]  # waits until the memory is written (and zero pages punched)
 
     stored = SnapshotStore(snapshot.path.parent).get(snapshot.tag)
-    assert stored.memory_path is not None
+    assert stored.memory_path is not None and stored.extra["method"] == method
     size = stored.memory_path.stat().st_size
     assert size == vm.memory_mib << 20
     assert allocated(stored.memory_path) < size * 0.8, "the snapshot's zero pages are still allocated"
-    assert allocated(base.memory_path) <= base_before, "the base grew by the pages QEMU read in"
+    if method == "live_snapshot":
+        assert allocated(base.memory_path) <= base_before, "the base grew by the pages QEMU read in"
+        assert stored.extra["base_bytes_released"] > 0
+    else:  # the guest itself may read a hole or two of its base meanwhile, never most of them
+        assert allocated(base.memory_path) <= base_before + MIB, "the branch read the holes of the base"
+        assert stored.extra["precopied_bytes"] >= 2 * MIB  # the payload's pages are the child's own
     assert base.memory_path.stat().st_mtime_ns == base_mtime  # its checked record still holds
-    assert stored.extra["base_bytes_released"] > 0
     assert child.exec("sha256sum /root/payload", check=True).stdout == content
     assert vm.exec("sha256sum /root/payload", check=True).stdout == content
-    assert owned(base.fork(1))[0].exec(["true"]).exit_code == 0  # the punched base still restores
+    assert owned(base.fork(1))[0].exec(["true"]).exit_code == 0  # the base still restores
+
+
+@pytest.mark.skipif(NO_PRECOPY is not None, reason=str(NO_PRECOPY))
+def test_uffd_branch_pause_copies_only_what_the_guest_wrote_after_the_precopy(vm: VM, owned: Owned) -> None:
+    """The child's own pages (a 16 MiB file it wrote) are copied before the pause; the pause copies
+    only the pages written while that copy ran, and the snapshot holds both."""
+    content = vm.exec("head -c 16777216 /dev/urandom > /root/big && sha256sum /root/big", check=True).stdout
+
+    snapshot = vm.branch(backend="uffd")
+
+    assert snapshot.extra["method"] == "precopy"
+    assert snapshot.extra["precopied_bytes"] >= 16 * MIB
+    assert snapshot.extra["pause_copied_bytes"] < snapshot.extra["precopied_bytes"] / 4
+    child = owned(snapshot.fork(1))[0]
+    assert child.exec("sha256sum /root/big", check=True).stdout == content
 
 
 def test_diff_past_the_threshold_is_flattened_into_its_own_memory(
