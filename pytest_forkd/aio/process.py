@@ -9,7 +9,8 @@ writes them; ``await proc.wait()``, ``await proc.write_stdin(...)``,
 
 Cancelling an awaited read or wait does not lose anything: the worker
 thread waits in slices of :data:`SLICE` seconds and stops at the next one,
-and a line it had already taken is put back for the next read. The process
+and a line it had already taken is put back for the next read, which starts
+only once that worker is done (reads of one stream run one at a time). The process
 itself keeps running (kill it to stop it); an ``async with`` block kills it
 when it ends.
 """
@@ -60,6 +61,7 @@ class AsyncProcessOutput:
     def __init__(self, output: ProcessOutput, process: AsyncGuestProcess) -> None:
         self._output = output
         self._process = process
+        self._reading = threading.Lock()
 
     @property
     def sync(self) -> ProcessOutput:
@@ -93,12 +95,20 @@ class AsyncProcessOutput:
     async def _read(self, name: str, read: Callable[[float | None], bytes], timeout: float | None) -> bytes:
         stop = threading.Event()
         what = f"reading the {self._output.name} of process {self._process.pid}"
+
+        def take() -> bytes:
+            # One worker reads this stream at a time: the worker of a cancelled read may still be
+            # in its slice, and a line it takes then must be back before the next read starts.
+            with self._reading:
+                data = _sliced(read, timeout, stop, what) or b""
+                if stop.is_set():  # its awaiter went away meanwhile
+                    self._output._unread(data)
+                    return b""
+                return data
+
         try:
             data = await self._process._vm._offload(
-                what,
-                f"{name}-{self._process.pid}",
-                lambda: _sliced(read, timeout, stop, what) or b"",
-                discard=self._output._unread,
+                what, f"{name}-{self._process.pid}", take, discard=self._output._unread
             )
         finally:
             stop.set()

@@ -70,16 +70,6 @@ def private_pages(pid: int, start: int, length: int) -> list[tuple[int, int]]:
     )
 
 
-def written_pages(pid: int, start: int, length: int) -> list[tuple[int, int]]:
-    """(offset, length) ranges, relative to ``start``, of pages written since they were write-protected.
-
-    Meaningful inside a range registered with an asynchronous userfaultfd (see
-    :mod:`pytest_forkd.engine.writetrack`): a page the guest wrote lost its
-    protection; a page never mapped is not reported.
-    """
-    return scan_pages(pid, start, length, required=PAGE_IS_WRITTEN)
-
-
 def scan_pages(
     pid: int, start: int, length: int, *, required: int, inverted: int = 0, anyof: int = 0
 ) -> list[tuple[int, int]]:

@@ -3,11 +3,11 @@
 A userfaultfd in *asynchronous* write-protect mode (``UFFD_FEATURE_WP_ASYNC``,
 Linux 6.7+) needs no fault handler: the kernel resolves the first write to a
 protected page by lifting the protection, and ``PAGEMAP_SCAN`` then reports
-the page as written (:func:`~pytest_forkd.engine.memory.written_pages`).
-Nothing the guest does can make it wait for this process, and protecting guest
-RAM (``PAGEMAP_SCAN`` with ``PM_SCAN_WP_MATCHING``) costs a few milliseconds
-per GiB *while the VM runs*: a live branch copies memory first and, in its
-pause, only what was written since.
+the page as written (:meth:`WriteTracker.written`). Nothing the guest does can
+make it wait for this process, and protecting guest RAM (``PAGEMAP_SCAN`` with
+``PM_SCAN_WP_MATCHING``, mapped pages only) takes milliseconds *while the VM
+runs*: a live branch copies memory first and, in its pause, only what was
+written since.
 
 A userfaultfd acts on the address space of the process that created it, so
 it is made inside the VMM (:func:`~pytest_forkd.engine.remote.remote_syscall`),
@@ -38,6 +38,10 @@ UFFD_FEATURE_WP_HUGETLBFS_SHMEM = 1 << 12
 UFFD_FEATURE_WP_ASYNC = 1 << 15
 FEATURES = UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_WP_ASYNC
 """Write-protection resolved by the kernel, of any memory (tmpfs-backed included, as forkd VMs' RAM is)."""
+
+
+MAPPED = memory.PAGE_IS_PRESENT | memory.PAGE_IS_SWAPPED
+"""A page-table entry that maps a page (in memory or swapped out)."""
 
 
 class WriteTrackingUnavailable(BackendError):
@@ -114,29 +118,30 @@ class WriteTracker:
             raise
 
     def protect(self) -> list[tuple[int, int]]:
-        """Write-protect all of the range; returns the (offset, length) ranges of its anonymous pages.
+        """Write-protect every mapped page of the range; returns the (offset, length) ranges of its anonymous ones.
 
-        From now on a page the guest writes is reported by :meth:`written`.
         In a copy-on-write mapping of a file the anonymous pages are those the
         process changed. They are listed in the same pass that protects them,
         page by page under the page-table lock, so a page that changes later
-        is written after its protection; after the pass they could not be
-        told apart, as unmapped pages carry write-protection markers that the
-        scan reports like swapped-out pages.
+        is written after its protection. Pages never mapped are left alone:
+        protecting them would plant a marker in every empty page-table entry
+        (work that grows with the size of the range, and again when the
+        tracker closes), and :meth:`written` reports them once they are mapped.
         """
         try:
             regions = memory.scan_regions(
                 self.pid,
                 self.start,
                 self.length,
-                report=memory.PAGE_IS_FILE | memory.PAGE_IS_PRESENT | memory.PAGE_IS_SWAPPED,
+                anyof=MAPPED,
+                report=memory.PAGE_IS_FILE | MAPPED,
                 flags=memory.PM_SCAN_WP_MATCHING | memory.PM_SCAN_CHECK_WPASYNC,
             )
         except OSError as exc:
             raise BackendError(f"write-protecting guest RAM of process {self.pid} failed: {exc.strerror}") from exc
         owned: list[tuple[int, int]] = []
         for offset, size, categories in regions:
-            if categories & memory.PAGE_IS_FILE or not categories & (memory.PAGE_IS_PRESENT | memory.PAGE_IS_SWAPPED):
+            if categories & memory.PAGE_IS_FILE:
                 continue
             if owned and owned[-1][0] + owned[-1][1] == offset:
                 owned[-1] = (owned[-1][0], owned[-1][1] + size)
@@ -145,8 +150,14 @@ class WriteTracker:
         return owned
 
     def written(self) -> list[tuple[int, int]]:
-        """(offset, length) ranges written since :meth:`protect` (stop the VM first for a final answer)."""
-        return memory.written_pages(self.pid, self.start, self.length)
+        """(offset, length) ranges written since :meth:`protect`, or mapped since for the first time
+        (stop the VM first for a final answer).
+
+        A page without write-protection counts as written, and so does an
+        empty page-table entry; only mapped pages are asked for, so the range
+        that was never touched is not reported.
+        """
+        return memory.scan_pages(self.pid, self.start, self.length, required=memory.PAGE_IS_WRITTEN, anyof=MAPPED)
 
     def close(self) -> None:
         if self._fd >= 0:
