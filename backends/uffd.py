@@ -3,12 +3,13 @@
 A child (a VM mapping an immutable snapshot file copy-on-write) is branched by
 *pre-copy under asynchronous write-protection* where the host allows it
 (Linux 6.7+, ptrace permission on the VMM; see
-:mod:`pytest_forkd.engine.writetrack`): while the guest runs, all of guest
-RAM is write-protected with a userfaultfd made inside the VMM, in the mode
-where the kernel itself lifts the protection of a page at its first write,
-and the pages the child owns (those it changed since its base) are copied
-out. The pause then stops the VM, saves the device state, and copies only the
-pages written since the protection, listed by ``PAGEMAP_SCAN``. No fault
+:mod:`pytest_forkd.engine.writetrack`): while the guest runs, every mapped
+page of guest RAM is write-protected with a userfaultfd made inside the VMM,
+in the mode where the kernel itself lifts the protection of a page at its
+first write, and the pages the child owns (those it changed since its base)
+are copied out. The pause then stops the VM, saves the device state, and
+copies only the pages written (or first mapped) since the protection, listed
+by ``PAGEMAP_SCAN``. No fault
 handler runs, so nothing the guest does can wait on this process. The flat
 memory file (the base plus those pages) is written in the background from
 descriptors opened before the pause.
