@@ -9,10 +9,9 @@ in the mode where the kernel itself lifts the protection of a page at its
 first write, and the pages the child owns (those it changed since its base)
 are copied out. The pause then stops the VM, saves the device state, and
 copies only the pages written (or first mapped) since the protection, listed
-by ``PAGEMAP_SCAN``. No fault
-handler runs, so nothing the guest does can wait on this process. The flat
-memory file (the base plus those pages) is written in the background from
-descriptors opened before the pause.
+by ``PAGEMAP_SCAN``. No fault handler runs, so nothing the guest does can
+wait on this process. The flat memory file (the base plus those pages) is
+written in the background from descriptors opened before the pause.
 
 Elsewhere (a root VM, whose RAM file is its own; an older kernel; no ptrace
 permission) it uses the engine's ``live_snapshot`` (QEMU: its
@@ -61,6 +60,7 @@ from pytest_forkd.storage.backend import (
 from pytest_forkd.waiting import poll_until
 
 if TYPE_CHECKING:
+    from pytest_forkd.engine.base import MemoryLayout
     from pytest_forkd.storage.snapshot import Snapshot
     from pytest_forkd.storage.store import SnapshotStore
 
@@ -165,25 +165,28 @@ class UffdBackend(StorageBackend):
         (False: always the engine's live snapshot, whose pause grows with memory size)."""
 
     def capture(self, source: CaptureSource, target: Path) -> Capture:
-        tracker = self._tracker(source) if self.precopy else None
-        if tracker is not None:
-            return self._capture_precopy(source, target, tracker)
+        if self.precopy and _mapped_base(source) is not None:  # a child: pre-copy where the host can
+            layout = source.machine.memory_layout()
+            tracker = self._tracker(source, layout)
+            if tracker is not None:
+                return self._capture_precopy(source, target, layout, tracker)
         return self._capture_live_snapshot(source, target)
 
-    def _tracker(self, source: CaptureSource) -> WriteTracker | None:
-        """Write-tracking of a child's guest RAM, or None where pre-copy does not apply (said in the log)."""
-        if _mapped_base(source) is None:
-            return None  # a root VM: its RAM file changes with the guest, so it cannot be copied later
-        layout = source.machine.memory_layout()
+    def _tracker(self, source: CaptureSource, layout: MemoryLayout) -> WriteTracker | None:
+        """Write-tracking of a child's guest RAM, or None where the host cannot (said in the log).
+
+        Only a child qualifies: a root VM's RAM file changes with the guest, so it cannot be copied later.
+        """
         try:
             return WriteTracker(layout.pid, layout.start, layout.length)
         except WriteTrackingUnavailable as exc:
             log.info("uffd branch of %s uses the engine's live snapshot: %s", source.machine.name, exc)
             return None
 
-    def _capture_precopy(self, source: CaptureSource, target: Path, tracker: WriteTracker) -> Capture:
+    def _capture_precopy(
+        self, source: CaptureSource, target: Path, layout: MemoryLayout, tracker: WriteTracker
+    ) -> Capture:
         machine = source.machine
-        layout = machine.memory_layout()
         pages_path = machine.directory / f"{machine.name}.precopy{next(_counter)}"
         with tracker:
             base = os.open(layout.path, os.O_RDONLY | os.O_CLOEXEC)  # immutable: the memory the child maps
@@ -192,14 +195,20 @@ class UffdBackend(StorageBackend):
             except BaseException:
                 os.close(base)
                 raise
-            return self._precopy(source, target, tracker, base, pages, pages_path)
+            return self._precopy(source, target, layout, tracker, base, pages, pages_path)
 
     def _precopy(
-        self, source: CaptureSource, target: Path, tracker: WriteTracker, base: int, pages: int, pages_path: Path
+        self,
+        source: CaptureSource,
+        target: Path,
+        layout: MemoryLayout,
+        tracker: WriteTracker,
+        base: int,
+        pages: int,
+        pages_path: Path,
     ) -> Capture:
         """Copy the child's own pages into ``pages`` while it runs, then pause and copy what it wrote since."""
         machine = source.machine
-        layout = machine.memory_layout()
         meter = PauseMeter(source.ping)
         started = meter.start()
         try:

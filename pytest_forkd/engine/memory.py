@@ -14,7 +14,7 @@ import errno
 import fcntl
 import os
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ..errors import BackendError, ForkdError, HostNotReady, VMError
 
@@ -76,15 +76,21 @@ def scan_pages(
     """``PAGEMAP_SCAN`` of process ``pid``: the merged ranges (relative to ``start``) whose pages
     have every category bit of ``required`` (each bit of ``inverted`` counting when *unset*) and,
     if ``anyof`` is given, at least one of its bits."""
-    ranges: list[tuple[int, int]] = []
-    for offset, size, _ in scan_regions(
+    regions = scan_regions(
         pid, start, length, required=required, inverted=inverted, anyof=anyof, report=required | anyof
-    ):
-        if ranges and ranges[-1][0] + ranges[-1][1] == offset:
-            ranges[-1] = (ranges[-1][0], ranges[-1][1] + size)
+    )
+    return merged_ranges((offset, size) for offset, size, _ in regions)
+
+
+def merged_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) ranges in ascending order, with each run of adjacent ones made one range."""
+    merged: list[tuple[int, int]] = []
+    for offset, size in ranges:
+        if merged and merged[-1][0] + merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], merged[-1][1] + size)
         else:
-            ranges.append((offset, size))
-    return ranges
+            merged.append((offset, size))
+    return merged
 
 
 def scan_regions(

@@ -139,15 +139,9 @@ class WriteTracker:
             )
         except OSError as exc:
             raise BackendError(f"write-protecting guest RAM of process {self.pid} failed: {exc.strerror}") from exc
-        owned: list[tuple[int, int]] = []
-        for offset, size, categories in regions:
-            if categories & memory.PAGE_IS_FILE:
-                continue
-            if owned and owned[-1][0] + owned[-1][1] == offset:
-                owned[-1] = (owned[-1][0], owned[-1][1] + size)
-            else:
-                owned.append((offset, size))
-        return owned
+        return memory.merged_ranges(
+            (offset, size) for offset, size, categories in regions if not categories & memory.PAGE_IS_FILE
+        )
 
     def written(self) -> list[tuple[int, int]]:
         """(offset, length) ranges written since :meth:`protect`, or mapped since for the first time
