@@ -63,8 +63,9 @@ class _Register(ctypes.Structure):
 
 def _userfaultfd_in(pid: int) -> int:
     """A userfaultfd created by process ``pid``, as a descriptor of this process."""
-    if remote.unsupported_reason() is not None:
-        raise WriteTrackingUnavailable(str(remote.unsupported_reason()))
+    reason = remote.unsupported_reason()
+    if reason is not None:
+        raise WriteTrackingUnavailable(reason)
     try:
         remote_fd = remote.remote_syscall(
             pid, remote.SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK | UFFD_USER_MODE_ONLY
