@@ -1848,7 +1848,10 @@ def _run_command(
             running.pop(stream.request_id, None)
         oom_killed = group.oom_killed() if group is not None else False
         if oom_killed and group is not None:
-            # memory.oom.group killed all of it; let the reply mean that all of it is gone.
+            # memory.oom.group kills the processes the group has at that instant; one forked
+            # meanwhile (a fork bomb) lives on and the guest would spend itself in OOM kills.
+            # cgroup.kill takes those too, so the reply can mean that all of it is gone.
+            group.kill()
             group.wait_until_empty(KILL_WAIT)
         return _CommandRun(exit_code, captures, collector.duration_ms, timed_out, oom_killed)
     finally:
