@@ -2,7 +2,7 @@
 
 Fixtures
     ``forkd`` (session)
-        the :class:`~pytest_forkd.plugin.session.ForkdSession`: factory, store,
+        the :class:`~pytest_forkd.project.session.ForkdSession`: factory, store,
         ``snapshot`` (the parent's current state), ``parent``, ``timings``,
         ``fork(n)``, ``snapshot_for(name)``.
     ``forkd_parent`` (session; one per xdist worker)
@@ -69,7 +69,7 @@ resolving them), :mod:`~pytest_forkd.plugin.state` (the run's state in
 ``config.stash``), :mod:`~pytest_forkd.plugin.fixtures`,
 :mod:`~pytest_forkd.plugin.hooks`, :mod:`~pytest_forkd.plugin.report`
 (header, failure sections, end-of-run tables, stored runs),
-:mod:`~pytest_forkd.plugin.xdist` and :mod:`~pytest_forkd.plugin.session`
+:mod:`~pytest_forkd.plugin.xdist` and :mod:`~pytest_forkd.project.session`
 (the ``forkd`` fixture's session). This module is the ``pytest11`` entry
 point: it re-exports every hook and fixture, so pytest finds them all by
 registering this one module, and ``-p no:forkd`` disables all of them.

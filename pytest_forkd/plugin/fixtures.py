@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from pytest_forkd.core.trajectory import Trajectory
     from pytest_forkd.core.vm import VM
     from pytest_forkd.latency.budgets import Budget
-    from pytest_forkd.plugin.session import ForkdSession
+    from pytest_forkd.project.session import ForkdSession
     from pytest_forkd.project.settings import Settings, VMChoice
     from pytest_forkd.storage.snapshot import Snapshot
 

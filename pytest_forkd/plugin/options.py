@@ -133,7 +133,7 @@ def resolve_run(config: pytest.Config) -> Resolved:
         backends=lambda: registry().ids(),
     )
     if settings.snapshot not in project.snapshot_names():
-        from pytest_forkd.plugin.session import open_stores
+        from pytest_forkd.project.session import open_stores
         from pytest_forkd.project.snapshot_builder import unknown_snapshot_error
 
         shared, store = open_stores(settings, project)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pytest_forkd.latency.budgets import Budget, Violation
     from pytest_forkd.latency.compare import Comparison
     from pytest_forkd.latency.timings import Sample
-    from pytest_forkd.plugin.session import ForkdSession
+    from pytest_forkd.project.session import ForkdSession
     from pytest_forkd.project.settings import Settings
 
 #: junit XML property (``record_property``) naming a test's transcript file.

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pytest_forkd.latency.compare import Comparison, Threshold
     from pytest_forkd.latency.timings import Recorder
     from pytest_forkd.plugin.options import Resolved
-    from pytest_forkd.plugin.session import ForkdSession
+    from pytest_forkd.project.session import ForkdSession
     from pytest_forkd.project.config import Project
     from pytest_forkd.project.settings import Settings
 
@@ -104,7 +104,7 @@ class RunState:
 
     def open_session(self, progress: Callable[[str], None]) -> ForkdSession:
         if self.session is None:
-            from pytest_forkd.plugin.session import ForkdSession
+            from pytest_forkd.project.session import ForkdSession
 
             self.session = ForkdSession(self.settings, self.project, recorder=self.recorder, progress=progress)
             self.session.children_expected = self.children_expected

@@ -16,7 +16,7 @@ below it; docs/ARCHITECTURE.md draws them):
 4. ``core``
 5. ``project``
 6. ``aio``
-7. ``plugin``, ``cli``
+7. ``plugin``, ``cli``, ``integrations``
 
 The package root ``pytest_forkd/__init__.py`` is the public facade: it may
 name anything (lazily), and nothing inside the package imports it.
@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "aio": 6,
     "plugin": 7,
     "cli": 7,
+    "integrations": 7,
 }
 FACADE = PACKAGE  # the package root: may import anything, imported by nothing inside
 

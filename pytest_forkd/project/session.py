@@ -82,6 +82,74 @@ class ForkdSession:
         self.build_seconds = 0.0
         """Time spent building or looking up named snapshots; not part of any test's fixture overhead."""
 
+    @classmethod
+    def open(
+        cls,
+        *,
+        snapshot: str | None = None,
+        config: Path | str | None = None,
+        pool: int | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> ForkdSession:
+        """A session outside pytest, for the sandbox providers of agent frameworks and for scripts.
+
+        ``config`` names a forkd.yaml (its ``settings:`` apply as in a pytest
+        run, and its snapshots can be named); ``snapshot`` overrides the one
+        it selects (default: the built-in ``base``). ``PYTEST_FORKD_*``
+        variables apply as they do under pytest. Raises ConfigError for a
+        missing or malformed file or an unknown snapshot name, before anything
+        boots. Close it (or use it as a context manager) to kill its VMs.
+        """
+        import os
+
+        from pytest_forkd.project.config import EMPTY_PROJECT, load_project
+        from pytest_forkd.project.settings import resolve
+        from pytest_forkd.storage.backend import registry
+
+        path = Path(config).absolute() if config is not None else None
+        if path is not None and not path.is_file():
+            from pytest_forkd.errors import ConfigError
+
+            raise ConfigError(f"{path}: no such forkd.yaml; fix the path or leave the config out to use 'base'")
+        project = load_project(path) if path is not None else EMPTY_PROJECT
+        cli: dict[str, object] = {"snapshot": snapshot, "pool": None if pool is None else str(pool)}
+        settings = resolve(
+            cli=cli,
+            env=os.environ,
+            ini={},
+            project_settings=project.settings,
+            backends=lambda: registry().ids(),
+            rootdir=path.parent if path is not None else Path.cwd(),
+            config=path,
+            config_source="argument" if path is not None else "default",
+            project_origin=path.name if path is not None else "forkd.yaml",
+        )
+        session = cls(settings, project, recorder=Recorder(), progress=progress)
+        session.check_snapshot_name(settings.snapshot)
+        return session
+
+    def check_snapshot_name(self, name: str) -> None:
+        """ConfigError unless ``name`` is the built-in ``base``, declared in forkd.yaml, or already in the store."""
+        from pytest_forkd.errors import ConfigError, UnknownSnapshot
+        from pytest_forkd.project.lifecycle import find_snapshot
+
+        if name in self.project.snapshot_names():
+            return
+        try:
+            find_snapshot(self.shared_store, name, self.project.root)
+        except UnknownSnapshot:
+            declared = ", ".join(self.project.snapshot_names())
+            raise ConfigError(
+                f"unknown snapshot {name!r}: not built in, not declared in {self.project.origin}, not in the store; "
+                f"declare it under snapshots: in forkd.yaml or pick one of: {declared}"
+            ) from None
+
+    def __enter__(self) -> ForkdSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # -- lazily created machinery ------------------------------------------------
     @property
     def factory(self) -> VMFactory:
