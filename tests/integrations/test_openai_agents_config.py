@@ -1,0 +1,80 @@
+"""The Agents SDK client without VMs: options, bad input, and the SDK staying unimported until asked for.
+
+Bad snapshot names and broken forkd.yaml files are refused by
+``ForkdSession.open`` before anything boots, so these tests need no QEMU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("agents", reason='needs the OpenAI Agents SDK: pip install "pytest-forkd[openai-agents]"')
+
+from agents.sandbox.session.sandbox_client import BaseSandboxClientOptions  # noqa: E402
+
+from pytest_forkd.errors import ConfigError  # noqa: E402
+from pytest_forkd.integrations.openai_agents import ForkdSandboxClient, ForkdSandboxClientOptions  # noqa: E402
+
+
+def test_options_round_trip_through_the_sdk_registry(tmp_path: Path) -> None:
+    options = ForkdSandboxClientOptions("tools", tmp_path / "forkd.yaml", pool=2)
+    payload = options.model_dump(mode="json")
+    assert payload == {"type": "forkd", "snapshot": "tools", "config": str(tmp_path / "forkd.yaml"), "pool": 2}
+    assert BaseSandboxClientOptions.parse(payload) == options
+    assert ForkdSandboxClientOptions().snapshot == "base"
+
+
+@pytest.mark.asyncio
+async def test_unknown_snapshot_fails_create_with_one_line() -> None:
+    async with ForkdSandboxClient() as client:
+        with pytest.raises(ConfigError) as caught:
+            await client.create(options=ForkdSandboxClientOptions(snapshot="no-such-snapshot"))
+        message = str(caught.value)
+        assert "unknown snapshot 'no-such-snapshot'" in message and "\n" not in message
+        assert client.vms == []
+
+
+@pytest.mark.asyncio
+async def test_broken_or_missing_forkd_yaml_fails_create(tmp_path: Path) -> None:
+    broken = tmp_path / "forkd.yaml"
+    broken.write_text("settings: [this is not a mapping\n")
+    async with ForkdSandboxClient() as client:
+        with pytest.raises(ConfigError, match="forkd.yaml"):
+            await client.create(options=ForkdSandboxClientOptions(config=broken))
+        with pytest.raises(ConfigError, match="no such forkd.yaml"):
+            await client.create(options=ForkdSandboxClientOptions(config=tmp_path / "missing.yaml"))
+
+
+@pytest.mark.asyncio
+async def test_a_closed_client_refuses_to_create() -> None:
+    client = ForkdSandboxClient()
+    client.close()
+    with pytest.raises(Exception, match="closed"):
+        await client.create(options=ForkdSandboxClientOptions())
+
+
+@pytest.mark.slow
+def test_import_and_pytest_start_up_do_not_import_the_sdk(tmp_path: Path) -> None:
+    """``import pytest_forkd``, a pytest run that does not use the fixture, and listing it never load ``agents``."""
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import pytest_forkd
+        assert "agents" not in sys.modules, "import pytest_forkd loaded agents"
+        import pytest
+        assert pytest.main(["-q", "-p", "no:cacheprovider", {str(tmp_path)!r}]) == 0
+        assert pytest.main(["-q", "-p", "no:cacheprovider", "--fixtures", {str(tmp_path)!r}]) == 0
+        loaded = sorted(name for name in sys.modules if name == "agents" or name.startswith("agents."))
+        assert not loaded, loaded
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+    assert "forkd_sandbox_client" in done.stdout  # the fixture is registered all the same
