@@ -39,11 +39,18 @@ from .cancel import RequestTicket, cancel_request
 from .offload import LoopGuard, offload, running_loop, settled, uninterruptible
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pytest_forkd.core.changes import Changes
     from pytest_forkd.core.checkpoint import Checkpoint
     from pytest_forkd.core.copy import CopyResult
+    from pytest_forkd.core.factory import VMFactory
     from pytest_forkd.core.process import GuestProcess
     from pytest_forkd.core.transcript import Transcript
     from pytest_forkd.core.vm import VM
+    from pytest_forkd.engine.base import Machine
+    from pytest_forkd.engine.network import NetworkChoice, NetworkSpec
+    from pytest_forkd.guest.client import AgentClient
     from pytest_forkd.guest.exec_result import ExecResult
     from pytest_forkd.storage.snapshot import Snapshot, SnapshotOwner
 
@@ -138,6 +145,16 @@ class AsyncVM(_AsyncContext):
         return self._vm.origin
 
     @property
+    def memory_base(self) -> Snapshot | None:
+        """``VM.memory_base``: the snapshot whose memory file this VM maps copy-on-write."""
+        return self._vm.memory_base
+
+    @property
+    def restore_phases(self) -> Any:
+        """``VM.restore_phases``: where a child's restore time went (None for a booted VM)."""
+        return self._vm.restore_phases
+
+    @property
     def transcript(self) -> Transcript:
         """The VM's transcript (shared with the sync handle), as failure reports show it."""
         return self._vm.transcript
@@ -169,12 +186,50 @@ class AsyncVM(_AsyncContext):
         self._vm.cwd = value
 
     @property
+    def max_output(self) -> int:
+        """``VM.max_output``: bytes of each of stdout and stderr an exec keeps unless it says otherwise."""
+        return self._vm.max_output
+
+    @max_output.setter
+    def max_output(self, value: int) -> None:
+        self._vm.max_output = value
+
+    @property
     def broken(self) -> str | None:
-        """Why this handle cannot be used any more (a cancellation the guest did not confirm), or None."""
-        return self._broken
+        """Why this handle cannot be used any more, or None.
+
+        Either a cancellation the guest did not confirm, or what cut the VM
+        itself off (``VM.broken``: its guest broke the agent protocol).
+        """
+        return self._broken if self._broken is not None else self._vm.broken
+
+    @property
+    def protocol_errors(self) -> dict[str, int]:
+        """``VM.protocol_errors``: malformed or unexpected frames its guest sent so far, by kind."""
+        return self._vm.protocol_errors
+
+    def defaults(self) -> dict[str, Any]:
+        """``VM.defaults``: the per-VM ``env`` and ``cwd`` as a snapshot of this VM records them."""
+        return self._vm.defaults()
 
     def console_tail(self, lines: int = 40) -> str:
         return self._vm.console_tail(lines)
+
+    # -- what the sync VM is built on (blocking: for storage backends and diagnostics) ----------------
+    @property
+    def agent(self) -> AgentClient:
+        """``VM.agent``: the blocking client of the guest agent; awaited code uses this handle's operations."""
+        return self._vm.agent
+
+    @property
+    def factory(self) -> VMFactory:
+        """``VM.factory``: the factory that started the VM (blocking API)."""
+        return self._vm.factory
+
+    @property
+    def machine(self) -> Machine:
+        """``VM.machine``: the engine-level process (blocking API, for storage backends and diagnostics)."""
+        return self._vm.machine
 
     def __repr__(self) -> str:
         return f"<AsyncVM of {self._vm!r}>"
@@ -191,6 +246,7 @@ class AsyncVM(_AsyncContext):
         check: bool = False,
         max_output: int | None = None,
         timing: str = "harness",
+        pty: bool | tuple[int, int] = False,
     ) -> ExecResult:
         """``VM.exec``, awaited. Cancelling the awaiting task kills the command in the guest."""
         what = f"running {command!r}"
@@ -204,6 +260,7 @@ class AsyncVM(_AsyncContext):
             check=check,
             max_output=max_output,
             timing=timing,
+            pty=pty,
         )
         return await self._cancellable(what, "exec", call)
 
@@ -256,9 +313,11 @@ class AsyncVM(_AsyncContext):
             for process in await self._offload("listing processes", "processes", self._vm.processes)
         ]
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, *, max_size: int | None = None) -> bytes:
         """``VM.read_file``, awaited."""
-        return await self._offload(f"reading {path}", "read-file", functools.partial(self._vm.read_file, path))
+        return await self._offload(
+            f"reading {path}", "read-file", functools.partial(self._vm.read_file, path, max_size=max_size)
+        )
 
     async def copy_in(
         self, local_path: str | os.PathLike[str], guest_path: str, *, exclude: Iterable[str] = ()
@@ -288,9 +347,57 @@ class AsyncVM(_AsyncContext):
             ),
         )
 
+    async def changes(
+        self,
+        since: AsyncCheckpoint | AsyncSnapshot | Checkpoint | Snapshot | None = None,
+        *,
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+    ) -> Changes:
+        """``VM.changes``, awaited: what changed in the guest's filesystem since a checkpoint or snapshot.
+
+        The :class:`~pytest_forkd.core.changes.Changes` it returns is the sync
+        one: its ``diff()`` and ``read()`` of new contents block, so call them
+        from a worker (``asyncio.to_thread``) inside a busy event loop.
+        """
+        point = since.sync if isinstance(since, (AsyncCheckpoint, AsyncSnapshot)) else since
+        return await self._offload(
+            "computing filesystem changes",
+            "changes",
+            functools.partial(self._vm.changes, point, include=include, exclude=exclude),
+        )
+
     async def ping(self, timeout: float = 10.0) -> dict[str, Any]:
         """``VM.ping``, awaited: a round trip to the guest agent."""
         return await self._offload("answering a ping", "ping", functools.partial(self._vm.ping, timeout=timeout))
+
+    # -- network ----------------------------------------------------------------
+    @property
+    def network(self) -> NetworkSpec:
+        """``VM.network``: its mode, the host ports it may reach and the guest ports forwarded now."""
+        return self._vm.network
+
+    @property
+    def host_address(self) -> str:
+        """``VM.host_address``: the address at which the guest reaches the host's loopback services."""
+        return self._vm.host_address
+
+    @property
+    def forwards(self) -> dict[int, int]:
+        """``VM.forwards``: guest port -> host port, for every forwarded guest port."""
+        return self._vm.forwards
+
+    async def forward(self, guest_port: int, *, check: bool = True, timeout: float = 10.0) -> int:
+        """``VM.forward``, awaited: the host port that reaches ``guest_port``.
+
+        A cancellation waits until the forward is set up (it changes the VM).
+        """
+        return await self._offload(
+            f"forwarding guest port {guest_port}",
+            "forward",
+            functools.partial(self._vm.forward, guest_port, check=check, timeout=timeout),
+            in_place=True,
+        )
 
     # -- snapshots --------------------------------------------------------------
     async def branch(self, tag: str | None = None, *, backend: str | None = None) -> AsyncSnapshot:
@@ -300,11 +407,11 @@ class AsyncVM(_AsyncContext):
         )
         return AsyncSnapshot(snapshot, loop=self._guard.loop)
 
-    async def fork(self, n: int = 1, *, backend: str | None = None) -> list[AsyncVM]:
+    async def fork(self, n: int = 1, *, backend: str | None = None, network: NetworkChoice = None) -> list[AsyncVM]:
         """``VM.fork``, awaited: branch this VM and start ``n`` children of the snapshot."""
 
         def fork() -> list[VM]:
-            return self._owned(self._vm.branch(backend=backend)).fork(n)
+            return self._owned(self._vm.branch(backend=backend)).fork(n, network=network)
 
         children = await self._offload(f"forking {n} children", "fork", fork, discard=_close_all)
         return [AsyncVM(child, owner=self._owner, loop=self._guard.loop) for child in children]
@@ -316,7 +423,9 @@ class AsyncVM(_AsyncContext):
             f"restoring snapshot {record.tag}", "restore", functools.partial(self._vm.restore, record), in_place=True
         )
 
-    def checkpoint(self, tag: str | None = None, *, backend: str | None = None) -> Starting[AsyncCheckpoint]:
+    def checkpoint(
+        self, tag: str | None = None, *, backend: str | None = None, manifest: bool = False
+    ) -> Starting[AsyncCheckpoint]:
         """``VM.checkpoint``: ``cp = await vm.checkpoint()``, or ``async with vm.checkpoint() as cp:``.
 
         As a context manager it rolls the VM back when the block ends unless
@@ -325,7 +434,9 @@ class AsyncVM(_AsyncContext):
 
         async def take() -> AsyncCheckpoint:
             checkpoint = await self._offload(
-                "taking a checkpoint", "checkpoint", lambda: self._vm.checkpoint(tag, backend=backend)
+                "taking a checkpoint",
+                "checkpoint",
+                lambda: self._vm.checkpoint(tag, backend=backend, manifest=manifest),
             )
             checkpoint.snapshot = self._owned(checkpoint.snapshot)
             return AsyncCheckpoint(self, checkpoint)
@@ -461,13 +572,13 @@ class AsyncSnapshot:
     def __repr__(self) -> str:
         return f"<AsyncSnapshot {self._snapshot.tag} backend={self._snapshot.backend}>"
 
-    async def fork(self, n: int = 1) -> list[AsyncVM]:
+    async def fork(self, n: int = 1, *, network: NetworkChoice = None) -> list[AsyncVM]:
         """``Snapshot.fork``, awaited: ``n`` copy-on-write children, started concurrently."""
         loop = self._guard.check(f"forking {n} children")
         owner = self._snapshot.owner
         children = await offload(
             loop,
-            functools.partial(self._snapshot.fork, n),
+            functools.partial(self._snapshot.fork, n, network=network),
             name=f"forkd-async-fork-{self._snapshot.tag}",
             discard=_close_all,
         )
@@ -480,6 +591,40 @@ class AsyncSnapshot:
             loop, functools.partial(self._snapshot.wait_ready, timeout), name=f"forkd-async-wait-{self._snapshot.tag}"
         )
         return AsyncSnapshot(record, loop=loop)
+
+    async def export(self, path: Path | str) -> Path:
+        """``Snapshot.export``, awaited: write this snapshot and its image into one portable archive."""
+        loop = self._guard.check(f"exporting snapshot {self._snapshot.tag}")
+        return await offload(
+            loop, functools.partial(self._snapshot.export, path), name=f"forkd-async-export-{self._snapshot.tag}"
+        )
+
+    async def save_to(self, directory: Path | str) -> Path:
+        """``Snapshot.save_to``, awaited: write ``snapshot.json`` into ``directory`` atomically."""
+        loop = self._guard.check(f"saving snapshot {self._snapshot.tag}")
+        return await offload(
+            loop, functools.partial(self._snapshot.save_to, directory), name=f"forkd-async-save-{self._snapshot.tag}"
+        )
+
+    @classmethod
+    def load_from(
+        cls,
+        directory: Path | str,
+        *,
+        remedy: str = "remove the snapshot directory and take the snapshot again",
+    ) -> AsyncSnapshot:
+        """``Snapshot.load_from``: the record in ``directory/snapshot.json`` (one small file, read at once)."""
+        from pytest_forkd.storage.snapshot import Snapshot
+
+        return cls(Snapshot.load_from(directory, remedy=remedy))
+
+    def replace(self, **changes: Any) -> AsyncSnapshot:
+        """``Snapshot.replace``: a handle of a copy with some fields changed."""
+        return AsyncSnapshot(self._snapshot.replace(**changes), loop=self._guard.loop)
+
+    def with_owner(self, owner: SnapshotOwner | None) -> AsyncSnapshot:
+        """``Snapshot.with_owner``: a handle of a copy attached to ``owner``, so that :meth:`fork` can start VMs."""
+        return AsyncSnapshot(self._snapshot.with_owner(owner), loop=self._guard.loop)
 
 
 class AsyncCheckpoint(_AsyncContext):
@@ -517,6 +662,14 @@ class AsyncCheckpoint(_AsyncContext):
         """Start ``n`` children of the checkpoint, to try alternatives side by side."""
         return await self.snapshot.fork(n)
 
+    async def changes(self, *, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> Changes:
+        """``Checkpoint.changes``, awaited: what changed in the VM's filesystem since this checkpoint."""
+        return await self.vm._offload(
+            f"computing changes since checkpoint {self.tag}",
+            "changes",
+            functools.partial(self._checkpoint.changes, include=include, exclude=exclude),
+        )
+
     async def __aexit__(self, *exc_info: object) -> None:
         if self.vm.closed:
             return  # as Checkpoint.__exit__: nothing to roll back
@@ -531,7 +684,14 @@ class AsyncCheckpoint(_AsyncContext):
         return f"<AsyncCheckpoint {self.tag} of {self.vm.name}>"
 
 
-def aboot(image: str = "default", *, memory_mib: int = 256, vcpus: int = 1, accel: str = "auto") -> Starting[AsyncVM]:
+def aboot(
+    image: str = "default",
+    *,
+    memory_mib: int = 256,
+    vcpus: int = 1,
+    accel: str = "auto",
+    network: NetworkChoice = None,
+) -> Starting[AsyncVM]:
     """Boot a root VM from ``image`` without blocking the event loop.
 
     ``async with aboot() as vm:`` closes it when the block ends; ``vm = await
@@ -545,7 +705,7 @@ def aboot(image: str = "default", *, memory_mib: int = 256, vcpus: int = 1, acce
         loop = running_loop("aboot()")
         vm = await offload(
             loop,
-            lambda: boot(image, memory_mib=memory_mib, vcpus=vcpus, accel=accel),
+            lambda: boot(image, memory_mib=memory_mib, vcpus=vcpus, accel=accel, network=network),
             name="forkd-async-boot",
             discard=_close,
         )

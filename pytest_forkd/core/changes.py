@@ -278,7 +278,7 @@ class _OldState:
 
 
 def _guest_exec(vm: VM, argv: list[str], what: str, stdin: bytes | None = None) -> Any:
-    result = vm.exec_untracked(argv, stdin=stdin)
+    result = vm._exec_untracked(argv, stdin=stdin)
     if result.exit_code != 0:
         raise ChangesError(
             f"{what} failed in VM {vm.name} (exit {result.exit_code}): "
@@ -296,7 +296,7 @@ def record_manifest(vm: VM, label: str) -> str:
 
 def _read_manifest(vm: VM, path: str) -> Manifest:
     try:
-        return Manifest.parse(vm.read_file_untracked(path))
+        return Manifest.parse(vm._read_file_untracked(path))
     except ManifestFormatError as exc:
         raise ChangesError(
             f"the manifest {path} in VM {vm.name} is unreadable ({exc}); it was written by "
@@ -310,14 +310,14 @@ def _current_manifest(vm: VM) -> Manifest:
     try:
         return _read_manifest(vm, path)
     finally:
-        vm.exec_untracked(["rm", "-f", path])
+        vm._exec_untracked(["rm", "-f", path])
 
 
 def _hashes(vm: VM, paths: list[str]) -> list[str]:
     """sha256 of each path's content in ``vm`` ('-' for a path that cannot be read)."""
     if not paths:
         return []
-    result = vm.exec_untracked(hash_command(), stdin=b"\0".join(p.encode("utf-8", "surrogateescape") for p in paths))
+    result = vm._exec_untracked(hash_command(), stdin=b"\0".join(p.encode("utf-8", "surrogateescape") for p in paths))
     digests: dict[str, str] = {}
     for line in result.stdout_bytes.decode("utf-8", "surrogateescape").splitlines():
         digest, sep, path = line.partition("  ")
@@ -377,7 +377,7 @@ def changes_since(
 def _recorded_manifest(vm: VM, snapshot: Snapshot) -> Manifest | None:
     """The manifest the guest recorded when ``snapshot`` was taken as a checkpoint, if it has it."""
     try:
-        data = vm.read_file_untracked(f"{GUEST_MANIFESTS}/{snapshot.tag}")
+        data = vm._read_file_untracked(f"{GUEST_MANIFESTS}/{snapshot.tag}")
     except GuestOSError:
         return None
     try:
@@ -454,14 +454,14 @@ class Changes:
             raise ChangesError(
                 f"{path} was deleted since {self.since}: it has no new content (read_old() has the old one)"
             )
-        return self.vm.read_file_untracked(path)
+        return self.vm._read_file_untracked(path)
 
     def read_old(self, path: str) -> bytes:
         """The content of ``path`` at the checkpoint (a modified or deleted file)."""
         change = self[path]
         if change.status == "added":
             raise ChangesError(f"{path} was added since {self.since}: it has no old content")
-        return self._old.child.read_file_untracked(path)
+        return self._old.child._read_file_untracked(path)
 
     def diff(self, path: str, *, context: int = 3) -> str:
         """A unified diff of text file ``path`` between the checkpoint and now ('' if only metadata changed)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from ..errors import ImageError
+from ..guest import agent_files
 from .deb import unpack
 from .kernel import KernelParts
 from .recipe import FileSpec
@@ -71,12 +72,7 @@ def guest_files() -> dict[str, Path]:
     They are part of the image key: editing the agent or init rebuilds the image.
     """
     guest_package = resources.files("pytest_forkd.guest")
-    files = {
-        "agent.py": Path(str(guest_package / "agent.py")),
-        "wire.py": Path(str(guest_package / "wire.py")),
-        "tarstream.py": Path(str(guest_package / "tarstream.py")),
-        "init.sh": Path(str(guest_package / "init.sh")),
-    }
+    files = {**agent_files(), "init.sh": Path(str(guest_package / "init.sh"))}
     missing = [str(path) for path in files.values() if not path.is_file()]
     if missing:
         raise ImageError(
@@ -118,7 +114,8 @@ def assemble_root(
     write_env_file(root / CONFIG_DIR / "env", env)
 
     sources = guest_files()
-    for name in ("agent.py", "wire.py", "tarstream.py"):
+    for name in agent_files():
+        (root / AGENT_DIR / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(sources[name], root / AGENT_DIR / name)
     shutil.copyfile(sources["init.sh"], root / "init")
     os.chmod(root / "init", 0o755)

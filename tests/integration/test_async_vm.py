@@ -18,7 +18,7 @@ from support import is_running, processes_mentioning
 
 from pytest_forkd import AsyncSnapshot, AsyncVM, VMError, WrongEventLoop, aboot
 from pytest_forkd.core.vm import VM
-from pytest_forkd.errors import WaitTimeout
+from pytest_forkd.errors import AgentError, NetworkError, WaitTimeout
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.waiting import poll_until
 
@@ -345,3 +345,50 @@ def test_per_vm_env_and_cwd_are_the_vms(vm: VM) -> None:
 
     assert run(main) == "hi /tmp\n"
     assert vm.env == {"GREETING": "hi"} and vm.cwd == "/tmp"
+
+
+def test_the_async_handle_takes_what_the_sync_one_takes(vm: VM) -> None:
+    """The parameters and members that tests/unit/test_async_parity.py requires, against a real guest."""
+
+    async def main() -> None:
+        avm = AsyncVM(vm)
+        assert (await avm.exec("tty", pty=True)).stdout.startswith("/dev/pts/")
+        await avm.write_file("/tmp/big", b"x" * 100)
+        with pytest.raises(AgentError, match="more than the 10 the host accepts"):
+            await avm.read_file("/tmp/big", max_size=10)
+        assert await avm.read_file("/tmp/big", max_size=100) == b"x" * 100
+
+        async with avm.checkpoint(manifest=True) as cp:
+            await avm.write_file("/root/new-file", b"new\n")
+            assert "/root/new-file" in (await cp.changes(include=["/root"])).added
+            assert "/root/new-file" in (await avm.changes(cp, include=["/root"])).added
+        assert (await avm.exec("test -e /root/new-file")).exit_code == 1, "the checkpoint did not roll back"
+
+        assert avm.defaults() == vm.defaults() and avm.protocol_errors == {}
+        assert avm.machine is vm.machine and avm.factory is vm.factory and avm.agent is vm.agent
+        assert avm.network.has_card is False and avm.forwards == {}
+        with pytest.raises(NetworkError, match="no network"):
+            _ = avm.host_address
+        with pytest.raises(NetworkError, match="no network"):
+            await avm.forward(8000)
+        with pytest.raises(NetworkError, match="no network card"):
+            await avm.fork(1, network="outbound")
+
+    run(main)
+
+
+def test_async_forks_take_a_network_policy_and_forward_ports(outbound_snapshot: Snapshot) -> None:
+    async def main() -> None:
+        asnap = AsyncSnapshot(outbound_snapshot)
+        (avm,) = await asnap.fork(1, network={"mode": "host", "allow": [8080]})
+        async with avm:
+            assert avm.network.mode == "host" and avm.network.allow == (8080,)
+            assert avm.host_address == "10.0.2.100"
+            host_port = await avm.forward(9000, check=False)
+            assert avm.forwards == {9000: host_port}
+            (child,) = await avm.fork(1, network="outbound")
+            async with child:
+                assert child.host_address == "10.0.2.2"
+                assert 9000 in child.forwards, "a child keeps the forwards of its parent"
+
+    run(main)

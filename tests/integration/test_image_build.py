@@ -20,6 +20,7 @@ import pytest
 from pytest_forkd import paths
 from pytest_forkd.engine.qemu.host import tsc_khz
 from pytest_forkd.engine.qemu.machine import cpu_model
+from pytest_forkd.guest import agent_files
 from pytest_forkd.guest.client import AgentClient
 from pytest_forkd.image import Image, build_image, ensure_image
 
@@ -62,7 +63,9 @@ def test_default_image_contains_init_agent_python_and_modules(default_image: Ima
     names = archive_names(default_image.initrd)
     # merged /usr: /bin, /sbin, /lib and /lib64 are links into /usr whatever the release's layout
     assert {"init", "bin", "lib", "usr/bin/sh", "usr/bin/busybox", "usr/sbin/insmod", "dev/console"} <= names
-    assert {"opt/forkd/agent.py", "opt/forkd/wire.py", "usr/bin/python3", "usr/bin/python3.11"} <= names
+    assert {"opt/forkd/agent/__init__.py", "opt/forkd/wire.py", "usr/bin/python3", "usr/bin/python3.11"} <= names
+    assert {f"opt/forkd/{name}" for name in agent_files()} <= names, "the image lacks part of the agent package"
+    assert "opt/forkd/agent/__pycache__/server.cpython-311.pyc" in names, "the agent package is not byte-compiled"
     assert {
         f"usr/lib/modules/forkd/{module}.ko" for module in ("virtio_ring", "virtio", "virtio_mmio", "virtio_console")
     } <= names

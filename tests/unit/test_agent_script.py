@@ -1,11 +1,10 @@
-"""The agent as the guest runs it: a script beside wire.py, in its own process."""
+"""The agent as the guest runs it: a package beside wire.py, in its own process."""
 
 from __future__ import annotations
 
 import errno
 import os
 import select
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,19 +14,14 @@ from pathlib import Path
 
 import pytest
 
-import pytest_forkd.guest
-from pytest_forkd.guest import wire
+from pytest_forkd.guest import install_agent, wire
 from pytest_forkd.guest.client import AgentClient
-
-GUEST_DIR = Path(pytest_forkd.guest.__file__).parent
 
 
 @pytest.fixture
 def installed_agent(tmp_path: Path) -> Path:
-    """agent.py and wire.py copied alone into a directory, as in /opt/forkd."""
-    for name in ("agent.py", "wire.py"):
-        shutil.copy(GUEST_DIR / name, tmp_path / name)
-    return tmp_path / "agent.py"
+    """The agent package, wire.py and tarstream.py copied alone into a directory, as in /opt/forkd."""
+    return install_agent(tmp_path)
 
 
 @pytest.fixture
@@ -62,7 +56,7 @@ def test_script_without_arguments_prints_usage(installed_agent: Path) -> None:
     result = subprocess.run([sys.executable, "-S", str(installed_agent)], capture_output=True, timeout=10)
 
     assert result.returncode == 2
-    assert b"usage: agent.py PORT_DEVICE | --stdio" in result.stderr
+    assert b"usage: agent PORT_DEVICE | --stdio" in result.stderr
 
 
 def test_script_reports_a_port_it_cannot_open(installed_agent: Path, tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def test_a_network_is_refused_before_anything_starts(factory: VMFactory, vm: VM)
         vm.forward(8000)
     with pytest.raises(NetworkError, match="no host address"):
         _ = vm.host_address
-    assert vm.network.mode == "none" and vm.forwards == {} and vm.network_record() is None
+    assert vm.network.mode == "none" and vm.forwards == {} and vm._network_record() is None
 
 
 def test_the_live_backend_is_refused_and_the_vm_keeps_running(vm: VM) -> None:

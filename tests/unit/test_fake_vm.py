@@ -46,8 +46,8 @@ def test_exec_takes_stdin_env_cwd_and_a_shell_string(vm: VM) -> None:
     assert vm.exec(["cat"], stdin=b"fed").stdout == "fed"
     assert vm.exec("echo $ONE", env={"ONE": "1"}).stdout == "1\n"
     assert vm.exec("pwd", cwd=guest_path(vm, "tmp")).stdout.strip() == guest_path(vm, "tmp")
-    assert vm.exec_untracked(["echo", "quiet"]).stdout == "quiet\n"
-    assert vm.read_file_untracked(guest_path(vm, "marker")) == b"base\n"
+    assert vm._exec_untracked(["echo", "quiet"]).stdout == "quiet\n"
+    assert vm._read_file_untracked(guest_path(vm, "marker")) == b"base\n"
     kinds = [entry["kind"] for entry in vm.transcript.entries]
     assert kinds.count("exec") == 3  # bookkeeping commands are not in the transcript
 

@@ -6,7 +6,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from pytest_forkd.cli import bench
+from pytest_forkd.cli.bench import forks as bench
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore

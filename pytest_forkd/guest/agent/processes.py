@@ -1,0 +1,368 @@
+"""Processes started by ``spawn``: they outlive their request, and their output waits for a host to attach."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+
+from .cgroups import CommandCgroups, _CommandGroup
+from .commands import _discard_until_eof, _entered
+from .common import _PIPE_READ_SIZE, _PIPE_SIZE, _STDIN_WRITE_SIZE, OUTPUT_DRAIN_AFTER_EXIT, RequestError, log_to_stderr
+from .streams import _LiveBuffer, _read_or_eio
+from .terminal import _set_window_size, _start_on_terminal
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .. import wire
+else:
+    try:
+        from .. import wire
+    except ImportError:  # in the guest: a top-level package beside wire.py
+        import wire
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+
+class _Spawned:
+    """A process started by ``spawn``: it outlives the request, and its output waits (bounded) for a reader.
+
+    One pump thread per process reads its stdout and stderr (or its terminal)
+    as soon as anything arrives, so the process never blocks on a full pipe,
+    and keeps what no host has taken in a :class:`_LiveBuffer` per stream: at
+    most ``max_output`` bytes, the oldest unread half and the newest half,
+    counting what was dropped between them. A host *attaches* with a request
+    (``attach``) that then streams: output within per-stream credit, one
+    ``exited`` frame as soon as the process ends, ``eof`` per stream, and the
+    final frame once everything was delivered; then the agent forgets the
+    process. Attaching again (a VM forked from a snapshot of this one, whose
+    host knows nothing of the old request) moves the stream to the new
+    request; a request from a new host client drops the old attachment at once.
+    """
+
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        command: list[str],
+        outputs: dict[int, int],
+        stdin_fd: int | None,
+        terminal_fd: int | None,
+        group: _CommandGroup | None,
+        cgroups: CommandCgroups | None,
+        max_output: int,
+        send_frame: Callable[[dict[str, Any], bytes], None],
+        finished: Callable[[_Spawned], None],
+    ) -> None:
+        self.pid = process.pid
+        self.command = command
+        self._process = process
+        self._open = dict(outputs)  # fd -> stream number, while it may still be read
+        self._stdin_fd = stdin_fd
+        self._terminal_fd = terminal_fd
+        self._owned_fds = set(outputs) | {fd for fd in (stdin_fd, terminal_fd) if fd is not None}
+        self._group = group
+        self._cgroups = cgroups
+        self._send_frame = send_frame
+        self._finished = finished
+        self._buffers = {wire.STDOUT: _LiveBuffer(max_output), wire.STDERR: _LiveBuffer(max_output)}
+        self._closed_streams = {wire.STDOUT, wire.STDERR} - set(outputs.values())
+        self._lock = threading.Lock()
+        self._stdin_lock = threading.Lock()
+        self._attachment: _Attachment | None = None
+        self._replaced: list[_Attachment] = []
+        self.exit_code: int | None = None
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._exit_fd = os.pidfd_open(process.pid)
+        for fd in self._owned_fds:
+            os.set_blocking(fd, False)
+        threading.Thread(target=self._pump, name=f"spawned-{self.pid}", daemon=True).start()
+
+    @classmethod
+    def start(
+        cls,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None,
+        cwd: str | None,
+        terminal: tuple[int, int] | None,
+        max_output: int,
+        cgroups: CommandCgroups | None,
+        child_setup: bool,
+        send_frame: Callable[[dict[str, Any], bytes], None],
+        finished: Callable[[_Spawned], None],
+    ) -> _Spawned:
+        """Start ``argv`` in a new session and its own cgroup, on pipes or on a new terminal."""
+        group = cgroups.take() if cgroups is not None else None
+        command = _entered(argv, group) if child_setup or group is not None else argv
+        child_ends: list[int] = []
+        ours: list[int] = []
+        try:
+            if terminal is None:
+                stdin_read, stdin_fd = os.pipe2(os.O_CLOEXEC)
+                stdout_fd, stdout_write = os.pipe2(os.O_CLOEXEC)
+                stderr_fd, stderr_write = os.pipe2(os.O_CLOEXEC)
+                child_ends += [stdin_read, stdout_write, stderr_write]
+                ours += [stdin_fd, stdout_fd, stderr_fd]
+                for fd in (stdout_fd, stderr_fd):
+                    with contextlib.suppress(OSError):
+                        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+                process = subprocess.Popen(
+                    command,
+                    stdin=stdin_read,
+                    stdout=stdout_write,
+                    stderr=stderr_write,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                )
+                outputs = {stdout_fd: wire.STDOUT, stderr_fd: wire.STDERR}
+                terminal_fd = None
+            else:
+                process, terminal_fd = _start_on_terminal(command, env, cwd, terminal)
+                ours.append(terminal_fd)
+                outputs = {terminal_fd: wire.STDOUT}
+                stdin_fd = None
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            if group is not None and cgroups is not None:
+                cgroups.release(group)
+            raise
+        finally:
+            for fd in child_ends:
+                os.close(fd)
+        return cls(process, argv, outputs, stdin_fd, terminal_fd, group, cgroups, max_output, send_frame, finished)
+
+    # -- requests (handler and reader threads) ---------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {"pid": self.pid, "command": self.command, "exit_code": self.exit_code}
+
+    def attach(self, request_id: int, client: str | None, window: int) -> None:
+        with self._lock:
+            if self._attachment is not None:
+                self._replaced.append(self._attachment)
+            self._attachment = _Attachment(request_id, client, window)
+        self._wake()
+
+    def drop_attachments_except(self, client: str) -> None:
+        """Forget an attachment of another host client, silently: nobody waits for its frames any more."""
+        with self._lock:
+            if self._attachment is not None and self._attachment.client != client:
+                self._attachment = None
+            self._replaced = [old for old in self._replaced if old.client == client]
+
+    def add_credit(self, request_id: int, fd_number: object, nbytes: int) -> None:
+        with self._lock:
+            attachment = self._attachment
+            if attachment is None or attachment.request_id != request_id:
+                return
+            for number in (wire.STDOUT, wire.STDERR) if fd_number is None else (fd_number,):
+                if number in attachment.credit:
+                    attachment.credit[number] += nbytes
+        self._wake()
+
+    def write_stdin(self, data: bytes, *, close: bool) -> int:
+        """Write ``data`` to the process's stdin (blocks while it does not read); ``close``: then end it.
+
+        On a terminal, ending input means typing the end-of-file character (Ctrl-D).
+        """
+        with self._stdin_lock:
+            fd = self._stdin_fd if self._terminal_fd is None else self._terminal_fd
+            if fd is None:
+                raise RequestError("StdinClosed", f"the stdin of process {self.pid} was already closed")
+            view = memoryview(data + (b"\x04" if close and self._terminal_fd is not None else b""))
+            while view:
+                poller = select.poll()
+                poller.register(fd, select.POLLOUT)
+                poller.register(self._exit_fd, select.POLLIN)
+                events = dict(poller.poll())
+                if fd not in events:
+                    if self.exit_code is not None or self._exit_fd in events:
+                        raise RequestError("BrokenPipe", f"process {self.pid} ended before reading its stdin")
+                    continue
+                try:
+                    view = view[os.write(fd, view[:_STDIN_WRITE_SIZE]) :]
+                except BlockingIOError:
+                    continue
+                except (BrokenPipeError, OSError) as exc:
+                    raise RequestError("BrokenPipe", f"process {self.pid} no longer reads its stdin ({exc})") from None
+            if close and self._terminal_fd is None:
+                self._stdin_fd = None
+                os.close(fd)
+                self._owned_fds.discard(fd)
+        return len(data)
+
+    def send_signal(self, number: int) -> bool:
+        """Signal the process's group (it leads its own session); False if it already ended."""
+        if self.exit_code is not None:
+            return False
+        try:
+            os.killpg(self.pid, number)
+        except ProcessLookupError:
+            try:
+                os.kill(self.pid, number)
+            except ProcessLookupError:
+                return False
+        return True
+
+    def resize(self, size: tuple[int, int]) -> None:
+        """Set the terminal's window size; the kernel sends SIGWINCH to its foreground job."""
+        if self._terminal_fd is None:
+            raise RequestError("NoTerminal", f"process {self.pid} does not run on a terminal (spawn it with pty=True)")
+        _set_window_size(self._terminal_fd, size)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_write, b"w")
+
+    # -- the pump thread ---------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        exited_at = None
+        try:
+            while True:
+                poller = select.poll()
+                poller.register(self._wake_read, select.POLLIN)
+                if self.exit_code is None:
+                    poller.register(self._exit_fd, select.POLLIN)
+                for fd in self._open:
+                    poller.register(fd, select.POLLIN)
+                wait = None
+                if exited_at is not None and self._open:
+                    wait = exited_at + OUTPUT_DRAIN_AFTER_EXIT - time.monotonic()
+                    if wait <= 0:
+                        self._give_up_outputs()
+                        wait = None
+                        continue
+                for fd, _events in poller.poll(None if wait is None else max(wait * 1000, 1)):
+                    if fd == self._wake_read:
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            os.read(self._wake_read, 4096)
+                    elif fd == self._exit_fd:
+                        self.exit_code = self._process.wait()
+                        exited_at = time.monotonic()
+                    elif fd in self._open:
+                        self._read(fd)
+                if self._flush():
+                    return
+        except BaseException as exc:  # a broken pump must not leave the process unaccounted for
+            log_to_stderr(f"the output pump of process {self.pid} failed: {exc!r}")
+            raise
+        finally:
+            self._clean_up()
+
+    def _read(self, fd: int) -> None:
+        data = _read_or_eio(fd, _PIPE_READ_SIZE)
+        number = self._open[fd]
+        if data is None:
+            return
+        if not data:
+            del self._open[fd]
+            self._closed_streams.add(number)
+            if fd != self._terminal_fd:
+                os.close(fd)
+                self._owned_fds.discard(fd)
+            return
+        with self._lock:
+            self._buffers[number].add(data)
+
+    def _give_up_outputs(self) -> None:
+        """After the process ended: what its background processes still write is drained and discarded."""
+        lingering = []
+        for fd, number in self._open.items():
+            self._closed_streams.add(number)
+            if fd != self._terminal_fd:
+                lingering.append(os.fdopen(fd, "rb", buffering=0))
+                self._owned_fds.discard(fd)
+        self._open.clear()
+        if lingering:
+            threading.Thread(target=_discard_until_eof, args=(lingering,), name="drain", daemon=True).start()
+
+    def _flush(self) -> bool:
+        """Send what the attachment has credit for; True once the final frame went out."""
+        frames: list[tuple[dict[str, Any], bytes]] = []
+        done = False
+        with self._lock:
+            replaced, self._replaced = self._replaced, []
+            for old in replaced:
+                frames.append(
+                    (
+                        {
+                            "id": old.request_id,
+                            "error": {"type": "Detached", "message": f"another request attached to process {self.pid}"},
+                        },
+                        b"",
+                    )
+                )
+            attachment = self._attachment
+            if attachment is not None:
+                request_id = attachment.request_id
+                for number, buffer in self._buffers.items():
+                    while attachment.credit[number] > 0 and buffer.size:
+                        chunk, skipped = buffer.take(min(attachment.credit[number], wire.OUTPUT_CHUNK_SIZE))
+                        attachment.credit[number] -= len(chunk)
+                        extra = {"skipped": skipped} if skipped else {}
+                        frames.append(({"id": request_id, "more": True, "fd": number, **extra}, chunk))
+                    if not buffer.size and number in self._closed_streams and number not in attachment.eof_sent:
+                        attachment.eof_sent.add(number)
+                        frames.append(({"id": request_id, "more": True, "fd": number, "eof": True}, b""))
+                if self.exit_code is not None and not attachment.exit_sent:
+                    attachment.exit_sent = True
+                    frames.append(({"id": request_id, "more": True, **self._exit_fields()}, b""))
+                if attachment.exit_sent and len(attachment.eof_sent) == 2:
+                    stdout, stderr = self._buffers[wire.STDOUT], self._buffers[wire.STDERR]
+                    frames.append(
+                        (
+                            {
+                                "id": request_id,
+                                **self._exit_fields(),
+                                "truncated": bool(stdout.dropped or stderr.dropped),
+                                "stdout_total": stdout.total,
+                                "stderr_total": stderr.total,
+                            },
+                            b"",
+                        )
+                    )
+                    self._attachment = None
+                    done = True
+        for fields, payload in frames:
+            self._send_frame(fields, payload)
+        return done
+
+    def _exit_fields(self) -> dict[str, Any]:
+        code = self.exit_code
+        return {"exited": True, "exit_code": code, "signal": -code if code is not None and code < 0 else None}
+
+    def _clean_up(self) -> None:
+        self._finished(self)
+        for fd in self._owned_fds | {self._exit_fd, self._wake_read, self._wake_write}:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._owned_fds.clear()
+        if self.exit_code is None:  # the pump failed: do not leave an unreachable process behind
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self._process.wait()
+        if self._group is not None and self._cgroups is not None:
+            self._cgroups.release(self._group)
+
+
+class _Attachment:
+    """The request a spawned process's output streams to, and the credit it has per stream."""
+
+    __slots__ = ("client", "credit", "eof_sent", "exit_sent", "request_id")
+
+    def __init__(self, request_id: int, client: str | None, window: int) -> None:
+        self.request_id = request_id
+        self.client = client
+        self.credit = {wire.STDOUT: window, wire.STDERR: window}
+        self.eof_sent: set[int] = set()
+        self.exit_sent = False
