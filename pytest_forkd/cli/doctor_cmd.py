@@ -10,9 +10,10 @@ from typing import Callable
 from pytest_forkd.engine.qemu import host
 from pytest_forkd.engine.qemu.accel import ACCELS
 from pytest_forkd.errors import ForkdError
-from pytest_forkd.paths import shm_root
 
 MIN_SHM_FREE = 1 << 30
+#: The RAM of a parent VM at the default size: what its shared RAM file may grow to.
+PARENT_MEMORY_MIB = 256
 
 
 @dataclass
@@ -121,7 +122,9 @@ def _check_runtime_dir() -> Check:
     import os
     import stat
 
-    root = shm_root()
+    from pytest_forkd.engine.rundir import choose_root
+
+    root = choose_root(warn=False)[0]
     try:
         info = os.lstat(root)
     except FileNotFoundError:
@@ -141,12 +144,67 @@ def _check_runtime_dir() -> Check:
     return Check("runtime dir", True, f"{root}, mode 0700")
 
 
-def _check_shm() -> Check:
-    free = host.shm_free_bytes()
-    detail = f"{free >> 20} MiB free on /dev/shm"
-    if free < MIN_SHM_FREE:
-        return Check("shm", False, detail, "free space on /dev/shm or enlarge it (mount -o remount,size=4G /dev/shm)")
-    return Check("shm", True, detail)
+def _check_runtime_space(memory_mib: int = PARENT_MEMORY_MIB) -> Check:
+    """Room for guest RAM on the filesystem that will hold the run directory (FORKD_SHM_DIR or the default).
+
+    A parent VM's RAM is a shared file there; a guest that touches more than
+    the filesystem holds is killed by SIGBUS. Containers give /dev/shm 64 MiB.
+    """
+    from pytest_forkd.engine import space
+    from pytest_forkd.engine.rundir import choose_root
+
+    root, moved = choose_root(warn=False)
+    try:
+        filesystem = space.filesystem_of(root)
+    except OSError as exc:
+        return Check("runtime space", False, f"{root}: {exc.strerror}", "set FORKD_SHM_DIR to a writable directory")
+    need = memory_mib * space.MIB
+    detail = f"{root} is on {filesystem.describe()}"
+    if filesystem.free < need:
+        return Check(
+            "runtime space",
+            False,
+            f"{detail}: a parent VM with {memory_mib} MiB of RAM needs up to {memory_mib} MiB there",
+            space.RUNTIME_FIX,
+        )
+    if moved:
+        return Check("runtime space", False, moved, space.RUNTIME_FIX, required=False)
+    if filesystem.free < MIN_SHM_FREE:
+        return Check(
+            "runtime space",
+            False,
+            f"{detail}: room for {filesystem.free // need} parent VM(s) of {memory_mib} MiB",
+            space.RUNTIME_FIX,
+            required=False,
+        )
+    return Check("runtime space", True, detail)
+
+
+def _check_memory_limit() -> Check:
+    """The memory this process may use: the host's, or its cgroup's limit (a container, a CI job).
+
+    Pools and parallel forks size themselves from it; below two default
+    parent VMs' worth, a suite runs but keeps few children ready.
+    """
+    from pytest_forkd.core.pool import RESERVE_MIB, host_available_mib
+    from pytest_forkd.engine import cgroup
+
+    limit = cgroup.memory_limit()
+    host = host_available_mib()
+    host_text = f"host: {host} MiB available" if host is not None else "host: MemAvailable unreadable"
+    if limit is None:
+        return Check("memory", True, f"no cgroup memory limit; {host_text}", required=False)
+    detail = f"{limit.describe()}; {host_text}; pools keep children ready only while {RESERVE_MIB} MiB stay free"
+    if limit.free_mib < 2 * PARENT_MEMORY_MIB:
+        return Check(
+            "memory",
+            False,
+            detail,
+            "give the container or job more memory (docker run --memory=4g; a larger CI runner), "
+            "or use smaller VMs (memory_mib)",
+            required=False,
+        )
+    return Check("memory", True, detail, required=False)
 
 
 def _backend_checks() -> list[Check]:
@@ -175,7 +233,8 @@ def collect(accel: str) -> list[Check]:
     checks.append(
         _check_problem("pagemap_scan", host.pagemap_scan_problem, "PAGEMAP_SCAN ioctl available", required=False)
     )
-    checks.append(_check_shm())
+    checks.append(_check_runtime_space())
+    checks.append(_check_memory_limit())
     checks.append(_check_runtime_dir())
     checks.extend(_backend_checks())
     return checks

@@ -52,7 +52,7 @@ from filelock import FileLock
 
 from pytest_forkd import paths, private
 from pytest_forkd.core.factory import default_factory
-from pytest_forkd.engine import memory
+from pytest_forkd.engine import memory, space
 from pytest_forkd.engine.cpu import host_cpu, host_cpu_id
 from pytest_forkd.engine.qemu.host import Qemu, find_qemu, tsc_khz
 from pytest_forkd.engine.qemu.machine import MachineSpec
@@ -133,8 +133,17 @@ def export_snapshot(
     image_dir = image_directory(image_key)
     image_manifest = read_manifest(image_dir)
     machine = _machine_of(snapshot, tuple(image_manifest.get("kernel_args", ())))
-    with tempfile.TemporaryDirectory(prefix="forkd-export-", dir=_scratch_root()) as scratch:
-        files = _snapshot_files(snapshot, Path(scratch))
+    with tempfile.TemporaryDirectory(prefix="forkd-export-", dir=_scratch_root(snapshot.memory_mib << 20)) as scratch:
+        try:
+            files = _snapshot_files(snapshot, Path(scratch))
+        except OSError as exc:
+            if not space.is_no_space(exc):
+                raise
+            raise ArchiveError(
+                space.no_space_text(
+                    exc, scratch, f"flattening snapshot {snapshot.tag!r} for export", "free space there and try again"
+                )
+            ) from None
         files += [
             (f"{IMAGE_DIR}/{name}", image_dir / name, False, None)
             for name in sorted(os.listdir(image_dir))
@@ -177,6 +186,15 @@ def export_snapshot(
                         tar.addfile(info, _Packed(stream, entry.extents) if entry.extents is not None else stream)
             os.replace(partial, destination)
         except OSError as exc:
+            if space.is_no_space(exc):
+                raise ArchiveError(
+                    space.no_space_text(
+                        exc,
+                        destination.parent,
+                        f"exporting snapshot {snapshot.tag!r}",
+                        "free space there or export elsewhere, and try again",
+                    )
+                ) from None
             raise ArchiveError(f"cannot write {destination}: {exc.strerror or exc}") from None
         finally:
             partial.unlink(missing_ok=True)
@@ -393,7 +411,16 @@ def _unpack(
                 else:
                     target = image_staging.dir / filename if image_staging is not None else None
                 data_file = folder == SNAPSHOT_DIR and filename != SNAPSHOT_FILE
-                _extract(path, tar, member, entry, target, verify=not data_file)
+                try:
+                    _extract(path, tar, member, entry, target, verify=not data_file)
+                except OSError as exc:
+                    if not space.is_no_space(exc) or target is None:
+                        raise
+                    where = store.root if folder == SNAPSHOT_DIR else paths.images_dir()
+                    raise ArchiveError(
+                        space.no_space_text(exc, where, f"importing {path.name} as snapshot {tag!r}")
+                        + "; nothing was left behind"
+                    ) from None
             missing = sorted(set(entries) - seen)
             if missing:
                 raise ArchiveError(f"{path} is truncated: {', '.join(missing)} missing; export it again")
@@ -781,9 +808,11 @@ def _store(store: SnapshotStore | Path | str | None) -> SnapshotStore:
     return SnapshotStore(store) if store is not None else SnapshotStore.persistent()
 
 
-def _scratch_root() -> str | None:
-    """Where a diff is flattened during an export: RAM when there is /dev/shm."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _scratch_root(need: int) -> str | None:
+    """Where a diff is flattened during an export: RAM when /dev/shm has room for it, else the temporary directory."""
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
+        return None
+    return "/dev/shm" if space.room_problem("/dev/shm", need, "flattening") is None else None
 
 
 def _cpu_text(cpu: object) -> str:

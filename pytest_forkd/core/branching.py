@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_forkd.engine import space
 from pytest_forkd.engine.memory import copy_sparse
 from pytest_forkd.errors import SnapshotError
 from pytest_forkd.paths import validate_tag
@@ -46,7 +47,7 @@ def _record(vm: "VM", tag: str, path: Path, backend: str, **fields: Any) -> Snap
         fingerprint=factory.fingerprint(vm.image, vm.machine.spec),
         state_file=STATE_FILE,
         parent=vm.origin.tag if vm.origin else None,
-        network=vm.network_record(),
+        network=vm._network_record(),
         **fields,
     )
 
@@ -66,7 +67,12 @@ def branch(
             source = CaptureSource(vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30))
             capture = chosen.capture(source, pending.dir)
         except BaseException as exc:
-            vm.recover_after_failed_pause()
+            vm._recover_after_failed_pause()
+            if isinstance(exc, OSError) and space.is_no_space(exc):
+                raise SnapshotError(
+                    space.no_space_text(exc, store.root, f"branching VM {vm.name} into snapshot {tag!r}")
+                    + "; the VM was resumed"
+                ) from exc
             if isinstance(exc, OSError):  # a file the backend wrote or read: say which, and what to do
                 raise SnapshotError(
                     f"branching VM {vm.name} with the {chosen.id} backend failed: {exc.strerror or exc}"
@@ -100,8 +106,8 @@ def branch(
         _finish_in_background(store, snapshot, capture.finish, started)
     chosen.published(snapshot, store)
     fields = {"backend": chosen.id, "dirty_bytes": capture.dirty_bytes}
-    vm.record_timing("branch_pause", capture.pause_ms, **fields)
-    vm.record_timing("branch_total", total_ms, **fields)
+    vm._record_timing("branch_pause", capture.pause_ms, **fields)
+    vm._record_timing("branch_total", total_ms, **fields)
     return snapshot.with_owner(factory)
 
 
@@ -134,35 +140,47 @@ def freeze(vm: "VM", tag: str, *, store: SnapshotStore, keep_running: bool = Tru
         )
     started = time.perf_counter()
     with store.begin(tag, replace=replace) as pending:
-        machine.stop()
-        try:
-            machine.save_device_state(pending.dir / STATE_FILE)
-        except BaseException:
-            vm.recover_after_failed_pause()
-            raise
-        pause_ms = (time.perf_counter() - started) * 1000
         destination = pending.dir / MEMORY_FILE
+        moved = False
         try:
-            machine.ram_path.rename(destination)
-            written = 0
-        except OSError:  # another filesystem: copy, keeping holes
-            written = copy_sparse(machine.ram_path, destination)
-        machine.kill()  # its RAM file is no longer its own
-        snapshot = pending.publish(
-            _record(
-                vm,
-                tag,
-                pending.dir,
-                "full",
-                memory_file=MEMORY_FILE,
-                pause_ms=round(pause_ms, 3),
-                total_ms=round((time.perf_counter() - started) * 1000, 3),
-                bytes_written=written,
-                extra={"frozen": True},
+            machine.stop()
+            machine.save_device_state(pending.dir / STATE_FILE)
+            pause_ms = (time.perf_counter() - started) * 1000
+            try:
+                machine.ram_path.rename(destination)
+                moved, written = True, 0
+            except OSError:  # another filesystem: copy, keeping holes
+                written = copy_sparse(machine.ram_path, destination)
+            snapshot = pending.publish(
+                _record(
+                    vm,
+                    tag,
+                    pending.dir,
+                    "full",
+                    memory_file=MEMORY_FILE,
+                    pause_ms=round(pause_ms, 3),
+                    total_ms=round((time.perf_counter() - started) * 1000, 3),
+                    bytes_written=written,
+                    extra={"frozen": True},
+                )
             )
-        )
+        except BaseException as exc:
+            # Every failure (a full store, a signal) leaves the VM as it was: its RAM file back
+            # in place, running and answering; the half-written snapshot goes with `pending`.
+            if moved:
+                destination.rename(machine.ram_path)
+            vm._recover_after_failed_pause()
+            if isinstance(exc, OSError) and space.is_no_space(exc):
+                raise SnapshotError(
+                    space.no_space_text(exc, store.root, f"freezing VM {vm.name} into snapshot {tag!r}")
+                    + "; the VM was resumed"
+                ) from exc
+            if isinstance(exc, SnapshotError) and isinstance(exc.__cause__, OSError):
+                raise SnapshotError(f"{exc}; the VM was resumed") from exc.__cause__
+            raise
+        machine.kill()  # its RAM file belongs to the snapshot now
     snapshot = snapshot.with_owner(vm.factory)
-    vm.record_timing("freeze", pause_ms, backend="full")
+    vm._record_timing("freeze", pause_ms, backend="full")
     if keep_running:
         vm.restore(snapshot)
     else:

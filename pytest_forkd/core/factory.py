@@ -25,8 +25,16 @@ from typing import Any, Callable
 
 from pytest_forkd import private
 from pytest_forkd.core import validate
-from pytest_forkd.core.pool import ChildPool, park_vm, unpark_vm, vm_usable
+from pytest_forkd.core.pool import (
+    ChildPool,
+    fork_memory_problem,
+    memory_room,
+    park_vm,
+    unpark_vm,
+    vm_usable,
+)
 from pytest_forkd.core.vm import VM
+from pytest_forkd.engine import cancel, space
 from pytest_forkd.engine.base import Engine, EngineError, Machine, make_engine
 from pytest_forkd.engine.network import NetworkChoice, NetworkSpec, check_card, network_from_record, network_spec
 from pytest_forkd.engine.rundir import RunDir
@@ -50,7 +58,7 @@ FORK_THREADS = max(2, (os.cpu_count() or 1) + 1)
 
 @dataclass
 class RestorePhases:
-    """Where the wall time of one child's restore went, in ms (``VM.restore_phases``).
+    """Where the wall time and the QEMU CPU of one child's restore went, in ms (``VM.restore_phases``).
 
     ``qemu_start_ms``: QEMU process start until QMP answers and the agent
     channel is connected; ``memory_ms``: the backend's preparation of guest
@@ -59,7 +67,10 @@ class RestorePhases:
     first answer (TCG translating the guest code it runs for the first time);
     ``forwards_ms``: port forwards restored; ``warm_ms``: a pool's first
     guest command (same reason); ``qemu_cpu_ms``: CPU time the QEMU process
-    used up to the first reply (None when unreadable).
+    used up to the first reply (None when unreadable). ``cpu_ms`` holds the
+    QEMU process's CPU (user + system) per phase, under the same names: under
+    TCG a child costs CPU rather than waiting, so that is what bounds how many
+    children a second a host can make (one read of /proc per phase boundary).
     """
 
     qemu_start_ms: float = 0.0
@@ -69,18 +80,47 @@ class RestorePhases:
     forwards_ms: float = 0.0
     warm_ms: float = 0.0
     qemu_cpu_ms: float | None = None
+    cpu_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    _cpu_mark: float = dataclasses.field(default=0.0, init=False, repr=False)
 
-    def lap(self, name: str, since: float) -> float:
+    def lap(self, name: str, since: float, pid: int | None = None) -> float:
+        """Add the wall time since ``since`` to phase ``name``; given ``pid``, its CPU since the last lap too."""
         now = time.perf_counter()
         setattr(self, name, getattr(self, name) + (now - since) * 1000)
+        if pid is not None:
+            cpu = process_cpu_ms(pid)
+            if cpu is not None:  # a thread that ended leaves the per-thread sum: never count less than 0
+                self.cpu_ms[name] = round(self.cpu_ms.get(name, 0.0) + max(0.0, cpu - self._cpu_mark), 3)
+                self._cpu_mark = cpu
         return now
 
-    def to_dict(self) -> dict[str, float | None]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        fields.pop("_cpu_mark")
+        return fields
 
 
 def process_cpu_ms(pid: int) -> float | None:
-    """User + system CPU time of process ``pid`` so far, in ms (None when it cannot be read)."""
+    """User + system CPU time of process ``pid`` so far, in ms (None when it cannot be read).
+
+    Summed over its threads' scheduler statistics (nanoseconds) where the
+    kernel has them: ``/proc/PID/stat`` counts in clock ticks (10 ms), too
+    coarse for a restore phase (a thread that has ended is no longer in the
+    sum; QEMU keeps its threads while a child restores). Falls back to
+    ``/proc/PID/stat``.
+    """
+    try:
+        total_ns = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as schedstat:
+                    total_ns += int(schedstat.read().split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        if total_ns > 0:
+            return total_ns / 1e6
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
@@ -119,6 +159,7 @@ class VMFactory:
         self._closed = False
         self._closer: ThreadPoolExecutor | None = None
         """Finishes the cleanup of VMs closed with :meth:`close_soon`."""
+        cancel.install()  # SIGTERM/SIGHUP/SIGINT stop the run cleanly and within seconds (from the main thread)
 
     # -- host facts, resolved lazily and once -------------------------------
     @property
@@ -211,6 +252,9 @@ class VMFactory:
 
     def _boot_spec(self, image: Any, spec: Any, timeout: float, network: NetworkSpec | None = None) -> VM:
         run_dir = self.run_dir
+        memory_mib = getattr(spec, "memory_mib", None)
+        if memory_mib:  # a shared RAM file: every page the guest touches needs room there, or QEMU dies of SIGBUS
+            space.check_room(run_dir.path, memory_mib * space.MIB, f"a VM with {memory_mib} MiB of RAM")
         name = run_dir.new_name("vm")
         # The RAM file becomes a stored snapshot's memory when the VM is frozen: create it 0600
         # (a VMM may create a missing one 0644 minus the umask; it sizes an existing empty one).
@@ -222,7 +266,7 @@ class VMFactory:
         except OSError as exc:
             raise _launch_error(name, exc) from exc
         vm = self.adopt(machine, image, ready_timeout=timeout)
-        vm.restore_forwards()
+        vm._restore_forwards()
         return vm
 
     def adopt(
@@ -333,13 +377,13 @@ class VMFactory:
             )
         except OSError as exc:
             raise _launch_error(name, exc) from exc
-        mark = phases.lap("qemu_start_ms", mark)
+        mark = phases.lap("qemu_start_ms", mark, machine.pid)
         try:
             backend.prepare_child(snapshot, machine, store)
-            mark = phases.lap("memory_ms", mark)
+            mark = phases.lap("memory_ms", mark, machine.pid)
             machine.load_device_state(snapshot.state_path)
             machine.resume()
-            mark = phases.lap("device_state_ms", mark)
+            mark = phases.lap("device_state_ms", mark, machine.pid)
         except EngineError as exc:
             error = VMStartError(
                 f"restoring a child of snapshot {snapshot.tag!r} failed: {exc}; "
@@ -358,9 +402,9 @@ class VMFactory:
             memory_base=memory_base,
             new_epoch=True,
         )
-        mark = phases.lap("first_reply_ms", mark)
-        child.restore_forwards()
-        phases.lap("forwards_ms", mark)
+        mark = phases.lap("first_reply_ms", mark, machine.pid)
+        child._restore_forwards()
+        phases.lap("forwards_ms", mark, machine.pid)
         phases.qemu_cpu_ms = process_cpu_ms(machine.pid)
         child.restore_phases = phases
         return child
@@ -402,10 +446,15 @@ class VMFactory:
                     child.close()
                 raise
         elif missing:
+            problem = fork_memory_problem(missing)
+            if problem is not None:
+                for child in children:
+                    child.close()
+                raise HostNotReady(f"cannot fork {n} children of snapshot {snapshot.tag!r} at once: {problem}")
             children += self._launch_together(missing, snapshot, image, spec, store, override, pooled=children)
         elapsed = (time.perf_counter() - started) * 1000
         for index, child in enumerate(children):
-            child.record_timing("fork", elapsed, backend=snapshot.backend, extra={"pooled": index < pooled})
+            child._record_timing("fork", elapsed, backend=snapshot.backend, extra={"pooled": index < pooled})
         return children
 
     def _launch_together(
@@ -467,8 +516,8 @@ class VMFactory:
         """Replace ``vm``'s guest with a fresh child of ``snapshot``, keeping the handle."""
         started = time.perf_counter()
         child = self.fork_snapshot(snapshot, 1)[0]
-        vm.take_over(child, child.origin or snapshot, child.memory_base)
-        vm.record_timing("restore", (time.perf_counter() - started) * 1000, backend=snapshot.backend)
+        vm._take_over(child, child.origin or snapshot, child.memory_base)
+        vm._record_timing("restore", (time.perf_counter() - started) * 1000, backend=snapshot.backend)
 
     def pool(
         self,
@@ -504,7 +553,7 @@ class VMFactory:
                 started = time.perf_counter()
                 child.agent.exec(["true"])
                 if child.restore_phases is not None:
-                    child.restore_phases.lap("warm_ms", started)
+                    child.restore_phases.lap("warm_ms", started, child.machine.pid)
             except BaseException:
                 child.close()
                 raise
@@ -520,6 +569,7 @@ class VMFactory:
             usable=vm_usable,
             demand=demand or (lambda: None),
             resize=resize,
+            room=memory_room,
         )
         with self._lock:
             self._pools[snapshot.path] = pool

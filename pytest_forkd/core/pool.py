@@ -36,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
+from pytest_forkd.engine import cgroup
+
 if TYPE_CHECKING:
     from pytest_forkd.core.vm import VM
 
@@ -49,11 +51,15 @@ MEMORY_SHARE = 0.5
 MAX_POOL = 256
 #: Consecutive failed restores after which a pool stops refilling (forks then restore on demand).
 MAX_FAILURES = 3
+#: Memory a filling pool leaves free (MiB): for the tests' own children and the work of their guests.
+RESERVE_MIB = 256
+#: Seconds a pool that found no room for another child waits before it asks again.
+ROOM_RECHECK_S = 1.0
 
 Child = TypeVar("Child")
 
 
-def available_memory_mib() -> int | None:
+def host_available_mib() -> int | None:
     """MemAvailable from /proc/meminfo in MiB (None when it cannot be read)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
@@ -63,6 +69,44 @@ def available_memory_mib() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def available_memory_mib() -> int | None:
+    """Memory this process may still use, in MiB (None when unknown).
+
+    The host's MemAvailable, or less: the room left under the memory limit
+    of the cgroup this process runs in (a container, a CI job, a systemd
+    slice; see :mod:`pytest_forkd.engine.cgroup`), where going past the limit
+    thrashes the page cache and then OOM-kills.
+    """
+    host = host_available_mib()
+    limit = cgroup.memory_limit()
+    if limit is None:
+        return host
+    return limit.free_mib if host is None else min(host, limit.free_mib)
+
+
+def memory_room(child_mib: float = DEFAULT_CHILD_MIB, reserve_mib: int = RESERVE_MIB) -> bool:
+    """Whether one more parked child fits and still leaves ``reserve_mib`` for the tests' own VMs."""
+    available = available_memory_mib()
+    return available is None or available >= child_mib + reserve_mib
+
+
+def fork_memory_problem(n: int, child_mib: float = DEFAULT_CHILD_MIB) -> str | None:
+    """Why ``n`` children started at once would not fit in memory (one sentence with the fix), or None."""
+    available = available_memory_mib()
+    if available is None or n * child_mib <= available:
+        return None
+    limit = cgroup.memory_limit()
+    where = (
+        f"the memory limit of {limit.describe()}"
+        if limit is not None and limit.free_mib <= available
+        else (f"the host ({available} MiB available)")
+    )
+    return (
+        f"{n} children need about {n * child_mib:.0f} MiB (at least {child_mib:.0f} MiB each), more than "
+        f"{where} leaves ({available} MiB): fork fewer at once, or give the job more memory"
+    )
 
 
 def memory_bound(
@@ -169,6 +213,10 @@ class ChildPool(Generic[Child]):
     returns how many more children the run may take (None: unknown).
     ``resize`` is asked once, with the first ready child, for a new maximum
     (from the memory that child really uses; None keeps the maximum).
+    ``room`` is asked before each restore whether memory holds one more
+    child (:func:`memory_room`, which knows the cgroup's limit); while it says
+    no, the pool keeps fewer children ready instead of pushing the host or
+    container into thrashing or OOM kills, and a prefill ends with what fits.
     """
 
     def __init__(
@@ -184,6 +232,7 @@ class ChildPool(Generic[Child]):
         discard: Callable[[Child], None] | None = None,
         demand: Callable[[], int | None] = lambda: None,
         resize: Callable[[Child], int | None] | None = None,
+        room: Callable[[], bool] | None = None,
         cpus: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
@@ -199,6 +248,10 @@ class ChildPool(Generic[Child]):
         self._discard = discard or (lambda child: child.close())  # type: ignore[attr-defined]
         self._demand = demand
         self._resize = resize
+        self._room = room
+        self._room_checked = -math.inf
+        self.memory_capped = False
+        """True while ``room`` says memory holds no more children: the pool keeps fewer ready than it wants."""
         self._measuring = resize is not None
         """Until the first child is measured the maximum is an estimate: restore no more than the cores do."""
         self._clock = clock
@@ -297,6 +350,7 @@ class ChildPool(Generic[Child]):
                     len(self._ready) < self._target_locked()
                     and not self._closed
                     and self.failures < MAX_FAILURES
+                    and not (self.memory_capped and self._in_flight == 0)
                     and self._clock() < deadline
                 ):
                     self._cond.wait(timeout=0.25)
@@ -362,7 +416,20 @@ class ChildPool(Generic[Child]):
             return False
         if self._measuring and len(self._ready) + self._in_flight >= workers:
             return False
-        return len(self._ready) + self._in_flight < self._target_locked()
+        return len(self._ready) + self._in_flight < self._target_locked() and self._has_room_locked()
+
+    def _has_room_locked(self) -> bool:
+        """Whether memory holds another child; asked at most once per :data:`ROOM_RECHECK_S` after a no."""
+        if self._room is None:
+            return True
+        if self.memory_capped and self._clock() - self._room_checked < ROOM_RECHECK_S:
+            return False
+        self._room_checked = self._clock()
+        capped = not self._room()
+        if capped and not self.memory_capped:
+            log.info("pool %s: no memory for more ready children; keeping %d", self.name, len(self._ready))
+        self.memory_capped = capped
+        return not capped
 
     def _ensure_workers(self) -> None:
         with self._cond:

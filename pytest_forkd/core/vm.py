@@ -91,7 +91,7 @@ class VM:
         self._cwd: str | None = None
         self.restore_phases: Any = None
         """For a child of a snapshot: where its restore's time went (``factory.RestorePhases``), else None."""
-        self.inherit_defaults(origin)
+        self._inherit_defaults(origin)
         self._processes: dict[int, GuestProcess] = {}  # handles of spawned processes, by guest pid
 
     # -- identity -------------------------------------------------------------
@@ -158,7 +158,7 @@ class VM:
         """The per-VM defaults as recorded in a snapshot's ``extra`` (``env`` and ``cwd``)."""
         return {"env": dict(self._env), "cwd": self._cwd}
 
-    def inherit_defaults(self, snapshot: "Snapshot | None") -> None:
+    def _inherit_defaults(self, snapshot: "Snapshot | None") -> None:
         """Take the defaults recorded in ``snapshot`` (none recorded: empty env, no cwd)."""
         extra = snapshot.extra if snapshot is not None else {}
         env = extra.get("env")
@@ -206,7 +206,7 @@ class VM:
 
         ``pty=True`` (or ``(rows, columns)``, default 24x80) runs the command
         on a new pseudo-terminal in the guest, as its controlling terminal:
-        ``stdout`` is what it wrote to the terminal (lines end in ``\r\n``),
+        ``stdout`` is what it wrote to the terminal (lines end in ``\\r\\n``),
         ``stderr`` is empty, and ``stdin`` is typed in.
         """
         validate.command(command)
@@ -240,7 +240,7 @@ class VM:
             Transcript.finish(entry, started, error=exc)
             raise
         finally:
-            self.record_timing(timing_op, (time.perf_counter() - started) * 1000, extra={"timing": timing})
+            self._record_timing(timing_op, (time.perf_counter() - started) * 1000, extra={"timing": timing})
         Transcript.finish(entry, started, result=result)
         if check:
             result.check()
@@ -375,7 +375,7 @@ class VM:
         entry["bytes"] = len(data)
         return data
 
-    def exec_untracked(
+    def _exec_untracked(
         self, command: str | Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
     ) -> ExecResult:
         """Run forkd's own bookkeeping command (manifests, hashes): not in the transcript, not timed."""
@@ -388,7 +388,7 @@ class VM:
             max_output=UNTRACKED_MAX_OUTPUT,
         )
 
-    def read_file_untracked(self, path: str) -> bytes:
+    def _read_file_untracked(self, path: str) -> bytes:
         """Read a file for forkd's own bookkeeping (manifests, old content): not in the transcript."""
         return self._call(f"reading {path}", self._agent.read_file, path)
 
@@ -486,7 +486,7 @@ class VM:
             raise
         Transcript.finish(entry, started)
         entry.update(describe(result))
-        self.record_timing(kind, result.seconds * 1000, extra={"bytes": result.bytes, "files": result.files})
+        self._record_timing(kind, result.seconds * 1000, extra={"bytes": result.bytes, "files": result.files})
         return result
 
     def changes(
@@ -503,7 +503,7 @@ class VM:
         self._ensure_open("computing filesystem changes")
         started = time.perf_counter()
         result = changes_since(self, since, include=include, exclude=exclude)
-        self.record_timing(timings.OP_CHANGES, (time.perf_counter() - started) * 1000)
+        self._record_timing(timings.OP_CHANGES, (time.perf_counter() - started) * 1000)
         return result
 
     def ping(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -598,12 +598,12 @@ class VM:
                 "bind the server to 0.0.0.0"
             )
 
-    def restore_forwards(self) -> None:
+    def _restore_forwards(self) -> None:
         """Forward the guest ports the network spec lists (at start, and in children of a snapshot)."""
         for guest_port in self._machine.network.forward:
             self.forward(guest_port, check=False)
 
-    def network_record(self) -> dict[str, Any] | None:
+    def _network_record(self) -> dict[str, Any] | None:
         """What a snapshot of this VM records about its network (None without one)."""
         network = self.network
         return network.to_json() if network.has_card else None
@@ -650,10 +650,10 @@ class VM:
             except ChangesError:  # no python3 in a custom image: changes() will say so if it is ever asked
                 pass
             else:
-                self.record_timing(timings.OP_MANIFEST, (time.perf_counter() - started) * 1000)
+                self._record_timing(timings.OP_MANIFEST, (time.perf_counter() - started) * 1000)
         started = time.perf_counter()
         snapshot = self.branch(tag, backend=backend)
-        self.record_timing("checkpoint", (time.perf_counter() - started) * 1000, backend=snapshot.backend)
+        self._record_timing("checkpoint", (time.perf_counter() - started) * 1000, backend=snapshot.backend)
         return Checkpoint(self, snapshot)
 
     def freeze(self, tag: str, *, store: Any = None, keep_running: bool = True) -> "Snapshot":
@@ -682,12 +682,12 @@ class VM:
     def agent(self) -> AgentClient:
         return self._agent
 
-    def record_timing(self, op: str, ms: float, **fields: Any) -> None:
+    def _record_timing(self, op: str, ms: float, **fields: Any) -> None:
         """Record one timed operation on this VM (cold = the first since it started)."""
         timings.record(op, ms, memory_mib=self.memory_mib, cold=self._cold, **fields)
         self._cold = False
 
-    def recover_after_failed_pause(self) -> None:
+    def _recover_after_failed_pause(self) -> None:
         """After a failed snapshot: resume the VM and make sure it answers, or report it dead."""
         try:
             if self._machine.alive() and self._machine.status() != "running":
@@ -696,7 +696,7 @@ class VM:
             pass
         self.ping(timeout=30)
 
-    def take_over(self, other: "VM", origin: "Snapshot", memory_base: "Snapshot | None") -> None:
+    def _take_over(self, other: "VM", origin: "Snapshot", memory_base: "Snapshot | None") -> None:
         """Become ``other`` (a fresh child of ``origin``): used by restore to keep this handle."""
         with self._lock:
             old_machine, old_agent = self._machine, self._agent

@@ -24,13 +24,17 @@ import shutil
 import signal
 import socket
 import stat
+import tempfile
+import threading
 import time
+import warnings
 from pathlib import Path
 
 from .. import processes
 from ..errors import HostNotReady, WaitTimeout
-from ..paths import shm_root
+from ..paths import cache_dir, shm_root
 from ..waiting import poll_until
+from . import cancel, space
 
 OWNER_FILE = "owner.json"
 #: Mode of the per-user root and of every run directory.
@@ -192,11 +196,97 @@ def _clean_legacy_root() -> None:
             pass
 
 
+#: Below this much free space on the default runtime root's filesystem, run directories go elsewhere:
+#: two default (256 MiB) VMs' RAM files, the least a test session needs.
+FALLBACK_BELOW = 512 * space.MIB
+
+
+class RuntimeSpaceWarning(UserWarning):
+    """The default runtime directory (/dev/shm) had too little room; run directories went elsewhere."""
+
+
+_warned_roots: set[Path] = set()
+_warn_lock = threading.Lock()
+
+
+def fallback_roots() -> list[Path]:
+    """Where run directories may go when /dev/shm is too small: the user's runtime directory, the temporary
+    directory, the cache directory. Each is this user's own (mode 0700, checked like the default root)."""
+    uid = os.getuid()
+    roots = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        roots.append(Path(runtime) / "pytest-forkd")
+    roots.append(Path(tempfile.gettempdir()) / f"pytest-forkd-run-{uid}")
+    roots.append(cache_dir() / "run")
+    return roots
+
+
+def choose_root(*, warn: bool = True) -> tuple[Path, str | None]:
+    """The root run directories go under, and why it is not the default one (None when it is).
+
+    ``$FORKD_SHM_DIR`` is always used as given (VM starts then check its room
+    and refuse in one line when it is too small). The default, /dev/shm, is
+    left for a fallback with room when its filesystem has less than
+    :data:`FALLBACK_BELOW` free, as in containers (64 MiB by default): a tmpfs
+    first, else a directory on disk (guest RAM then lives in the page cache
+    and is written back to disk: slower, and the uffd backend, which needs
+    tmpfs memory, is unavailable). ``warn`` emits a RuntimeSpaceWarning once
+    per process and root.
+    """
+    root = shm_root()
+    if os.environ.get("FORKD_SHM_DIR"):
+        return root, None
+    try:
+        default = space.filesystem_of(root)
+    except OSError:
+        return root, None
+    if default.free >= FALLBACK_BELOW:
+        return root, None
+    roomy = []
+    for candidate in fallback_roots():
+        try:
+            filesystem = space.filesystem_of(candidate)
+        except OSError:
+            continue
+        if filesystem.free >= FALLBACK_BELOW and os.access(space.existing_ancestor(candidate), os.W_OK):
+            roomy.append((filesystem.type != "tmpfs", candidate, filesystem))
+    if not roomy:
+        return root, None  # nowhere better: VM starts refuse with the fix
+    _, chosen, filesystem = min(roomy, key=lambda item: item[0])
+    reason = (
+        f"{root.parent} is {default.describe()}, less than the {FALLBACK_BELOW // space.MIB} MiB forkd wants "
+        f"for guest RAM, so VM files go to {chosen} ({filesystem.describe()})"
+        + ("" if filesystem.type == "tmpfs" else "; guest RAM on disk is slower, and the uffd backend needs tmpfs")
+    )
+    if warn:
+        with _warn_lock:
+            first = chosen not in _warned_roots
+            _warned_roots.add(chosen)
+        if first:
+            warnings.warn(f"{reason}; to keep them in memory, {space.RUNTIME_FIX}", RuntimeSpaceWarning, stacklevel=3)
+    return chosen, reason
+
+
+_live: set[Path] = set()
+"""Run directories of this process not closed yet: what a forced exit (see :mod:`.cancel`) removes."""
+
+
+def _remove_live_now() -> None:
+    """Kill every process using this process's run directories and remove them: the last step of a forced exit."""
+    for path in list(_live):
+        _kill_processes_referencing(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+cancel.on_emergency(_remove_live_now)
+
+
 class RunDir:
     """A fresh run directory (mode 0700) owned by this process; ``close()`` removes it."""
 
     def __init__(self, root: Path | None = None) -> None:
-        root = root or shm_root()
+        root = root or choose_root()[0]
         name = f"run-{os.getpid()}-{secrets.token_hex(3)}"
         # Appear with the owner file already inside: another process's
         # clean_stale() must never see this directory without its owner.
@@ -211,7 +301,7 @@ class RunDir:
             except OSError as exc:
                 raise HostNotReady(
                     f"cannot create a run directory under {root}: {exc.strerror}; "
-                    "free space on /dev/shm or set FORKD_SHM_DIR"
+                    "free space on its filesystem or set FORKD_SHM_DIR"
                 ) from exc
         else:
             raise HostNotReady(
@@ -219,12 +309,13 @@ class RunDir:
                 "set FORKD_SHM_DIR to a directory of your own"
             )
         clean_stale(root)
-        if root == shm_root() and "FORKD_SHM_DIR" not in os.environ:
+        if root == shm_root() and not os.environ.get("FORKD_SHM_DIR"):
             _clean_legacy_root()
         owner = {"pid": os.getpid(), "start_time": processes.start_time(os.getpid())}
         write_private(pending / OWNER_FILE, json.dumps(owner).encode())
         self.path = root / name
         os.rename(pending, self.path)
+        _live.add(self.path)
         self._counter = itertools.count(1)
 
     def new_name(self, prefix: str = "vm") -> str:
@@ -245,6 +336,7 @@ class RunDir:
             poll_until(removed, timeout=5, interval=0.05, what=f"run directory {self.path} to be removed")
         except WaitTimeout:  # closing never fails; the next run cleans it as stale
             pass
+        _live.discard(self.path)
         try:
             self.path.parent.rmdir()
         except OSError:  # other runs (or their stale directories) are still there

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence, cast
 
 _PR_SET_PDEATHSIG = 1
@@ -23,6 +24,22 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+#: Seconds a process start (fork, then exec) may take before the caller gives up on it.
+SPAWN_TIMEOUT_S = 30.0
+
+
+class SpawnTimeout(OSError):
+    """Starting a process did not complete in time (an OSError, so callers report it as a failed start)."""
+
+
+def _kill_late(future: Future[subprocess.Popen[bytes]]) -> None:
+    """A process started after its caller gave up: nobody owns it, so it is killed."""
+    if future.exception() is None:
+        process = future.result()
+        process.kill()
+        process.wait()
 
 
 # What a caller hands the spawner thread: the command, Popen's keyword arguments, and where the child goes.
@@ -36,8 +53,9 @@ class _Spawner:
         self._lock = threading.Lock()
 
     def _serve(self) -> None:
+        requests = self._requests  # a spawner given up on keeps serving only its own queue
         while True:
-            argv, kwargs, future = self._requests.get()
+            argv, kwargs, future = requests.get()
             try:
                 # Children talk bytes: the opaque keyword arguments never select text mode.
                 process = cast("subprocess.Popen[bytes]", subprocess.Popen(argv, preexec_fn=_die_with_parent, **kwargs))
@@ -45,19 +63,38 @@ class _Spawner:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
 
-    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    def popen(self, argv: Sequence[str], *, timeout: float = SPAWN_TIMEOUT_S, **kwargs: Any) -> subprocess.Popen[bytes]:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="forkd-spawner", daemon=True)
                 self._thread.start()
+            requests = self._requests
         future: Future[subprocess.Popen[bytes]] = Future()
-        self._requests.put((argv, kwargs, future))
-        return future.result()
+        requests.put((argv, kwargs, future))
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            pass
+        # The spawner is stuck (a fork that never reached exec): give up on it, kill what it may
+        # still start, and let the next spawn start a fresh spawner with a queue of its own.
+        future.add_done_callback(_kill_late)
+        with self._lock:
+            if self._requests is requests:
+                self._requests = queue.SimpleQueue()
+                self._thread = None
+        raise SpawnTimeout(
+            f"starting {argv[0]} did not complete within {timeout:.0f} s (fork and exec of the process "
+            "hung); the next start uses a fresh spawner thread"
+        )
 
 
 _spawner = _Spawner()
 
 
-def spawn(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """``subprocess.Popen`` whose child is SIGKILLed when this process dies."""
-    return _spawner.popen(argv, **kwargs)
+def spawn(argv: Sequence[str], *, timeout: float = SPAWN_TIMEOUT_S, **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen`` whose child is SIGKILLed when this process dies.
+
+    Bounded: a start that does not complete within ``timeout`` seconds raises
+    :class:`SpawnTimeout` (an OSError) instead of blocking its caller forever.
+    """
+    return _spawner.popen(argv, timeout=timeout, **kwargs)

@@ -41,6 +41,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 import filelock
 
 from pytest_forkd import paths, private
+from pytest_forkd.engine import space
 from pytest_forkd.errors import DamagedSnapshot, IncompatibleSnapshot, InvalidArgument, SnapshotError, UnknownSnapshot
 from pytest_forkd.paths import validate_tag
 from pytest_forkd.storage import integrity
@@ -683,6 +684,8 @@ class SnapshotStore:
         return directory
 
     def _unwritable(self, exc: OSError) -> SnapshotError:
+        if space.is_no_space(exc):
+            return SnapshotError(space.no_space_text(exc, self.root, "writing into the snapshot store"))
         return SnapshotError(
             f"cannot write into the snapshot store {self.root}: {exc.strerror or exc}"
             + (f" ({exc.filename})" if exc.filename else "")

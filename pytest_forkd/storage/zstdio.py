@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Final, Literal
 
+from pytest_forkd.engine import space
 from pytest_forkd.errors import ArchiveError, HostNotReady
 
 #: zstd level 3 (the tool's default): ~1 GB/s on one core, within a few % of level 9's size on guest memory.
@@ -78,15 +79,13 @@ def compressing(destination: Path) -> Iterator[IO[bytes]]:
                 process.stdin.close()
             except BrokenPipeError:
                 process.wait()
-                raise ArchiveError(f"writing {destination} failed: zstd stopped: {_text(errors)}") from None
+                raise _write_failure(destination, f"zstd stopped: {_text(errors)}") from None
             except BaseException:
                 process.kill()
                 process.wait()
                 raise
             if process.wait() != 0:
-                raise ArchiveError(
-                    f"writing {destination} failed: zstd exited with status {process.returncode}: {_text(errors)}"
-                )
+                raise _write_failure(destination, f"zstd exited with status {process.returncode}: {_text(errors)}")
         return
     zstandard = _zstandard()
     assert zstandard is not None  # implementation() chose the module
@@ -138,6 +137,21 @@ def decompressing(source: Path) -> Iterator[IO[bytes]]:
                 pass
         except zstandard.ZstdError as exc:
             raise ArchiveError(f"{source} is not a complete zstd archive (truncated or corrupt): {exc}") from None
+
+
+def _write_failure(destination: Path, said: str) -> ArchiveError:
+    """The error of a zstd process that could not write ``destination``: a full filesystem is named as such."""
+    for number in space.NO_SPACE_ERRNOS:
+        if os.strerror(number) in said:
+            return ArchiveError(
+                space.no_space_text(
+                    OSError(number, os.strerror(number)),
+                    destination.parent,
+                    f"writing {destination}",
+                    "free space there or write the archive elsewhere, and try again",
+                )
+            )
+    return ArchiveError(f"writing {destination} failed: {said}")
 
 
 def _private_file(path: Path) -> IO[bytes]:

@@ -69,3 +69,45 @@ def test_child_is_killed_when_its_owner_is_killed() -> None:
         owner.stdout.close()  # type: ignore[union-attr]
         if child_pid is not None and is_running(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def test_a_start_that_hangs_is_given_up_on_in_bounded_time_and_the_next_start_works(monkeypatch) -> None:
+    """A fork that never reaches exec (simulated: the child sleeps before it) must not block its caller."""
+    from pytest_forkd.engine import spawner
+
+    marker = f"forkd-late-{os.getpid()}-{time.monotonic_ns()}"
+
+    def slow_start() -> None:
+        time.sleep(3)
+
+    monkeypatch.setattr(spawner, "_die_with_parent", slow_start)
+    try:
+        spawn([sys.executable, "-c", "import time; time.sleep(600)", marker], timeout=0.5)
+    except spawner.SpawnTimeout as exc:  # raised only by the bounded wait: the child was still asleep
+        assert "did not complete within" in str(exc) and "hung" in str(exc)
+    else:
+        raise AssertionError("the hung start was not given up on")
+    monkeypatch.undo()
+
+    child = spawn(["sleep", "600"])  # a fresh spawner thread serves the next start
+    try:
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+    def late_child_alive() -> bool:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                        if marker.encode() in cmdline.read():
+                            return True
+                except OSError:
+                    pass
+        return False
+
+    deadline = time.monotonic() + 10
+    while late_child_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not late_child_alive()  # the process that started after its caller gave up was killed

@@ -1,0 +1,143 @@
+"""Room on the filesystems that hold guest memory and snapshots, and what to say when it runs out.
+
+A guest's RAM is a file that QEMU maps shared: the filesystem holding it
+(tmpfs under /dev/shm by default) must have room for every page the guest
+touches. When it has none, the kernel does not fail a write; it kills QEMU
+with SIGBUS (exit status -7), and the guest's last words say nothing about
+why. Containers make this common: Docker, GitLab's Docker executor and
+GitHub's ``container:`` jobs give /dev/shm 64 MiB. So the room is checked
+before a VM starts, a SIGBUS death is reported as what it is, and a write
+that fails with ENOSPC or EDQUOT becomes an error naming the filesystem,
+its free space and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import HostNotReady
+
+MIB = 1 << 20
+#: Errors of a write that found no room: the filesystem is full, or the user's quota is.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+#: How a container gets a bigger /dev/shm, and the other ways out, as one sentence.
+RUNTIME_FIX = (
+    "give the container a bigger /dev/shm (docker run --shm-size=2g; GitLab: shm_size in the runner's "
+    "[runners.docker]; Kubernetes: an emptyDir with medium Memory), set FORKD_SHM_DIR to a directory "
+    "with more room, or give the VM less memory (memory_mib)"
+)
+
+
+@dataclass(frozen=True)
+class Filesystem:
+    """The filesystem holding a path: where it is mounted, its type, and its room (bytes)."""
+
+    path: Path
+    mount_point: str
+    type: str
+    free: int
+    size: int
+
+    def describe(self) -> str:
+        """``tmpfs at /dev/shm (12 MiB free of 64 MiB)``."""
+        return f"{self.type} at {self.mount_point} ({self.free // MIB} MiB free of {self.size // MIB} MiB)"
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (a directory not created yet is on its parent's filesystem)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _mount_of(path: Path) -> tuple[str, str]:
+    target = os.path.realpath(path)
+    best, best_type = "/", "unknown"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = fields[1].replace("\\040", " ")
+                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, fields[2]
+    except OSError:
+        pass
+    return best, best_type
+
+
+def filesystem_of(path: str | os.PathLike[str]) -> Filesystem:
+    """The filesystem that holds (or will hold) ``path``, with its free space for this user."""
+    existing = existing_ancestor(Path(path))
+    info = os.statvfs(existing)
+    mount_point, kind = _mount_of(existing)
+    return Filesystem(
+        path=Path(path),
+        mount_point=mount_point,
+        type=kind,
+        free=info.f_bavail * info.f_frsize,
+        size=info.f_blocks * info.f_frsize,
+    )
+
+
+def room_problem(directory: str | os.PathLike[str], need: int, what: str) -> str | None:
+    """One line saying that ``directory``'s filesystem has less than ``need`` bytes free for ``what``, or None."""
+    try:
+        filesystem = filesystem_of(directory)
+    except OSError:
+        return None  # unreadable: the start itself reports what is wrong
+    if filesystem.free >= need:
+        return None
+    return f"{what} needs up to {need // MIB} MiB in {directory}, on {filesystem.describe()}: {RUNTIME_FIX}"
+
+
+def check_room(directory: str | os.PathLike[str], need: int, what: str) -> None:
+    """Refuse (HostNotReady, one line) to start ``what`` when ``directory`` has less than ``need`` bytes free."""
+    problem = room_problem(directory, need, what)
+    if problem:
+        raise HostNotReady(problem)
+
+
+def killed_by_sigbus(returncode: int | None) -> bool:
+    """Whether a process ended by SIGBUS (``Popen.returncode`` -7), as QEMU does when its RAM file has no room."""
+    return returncode == -signal.SIGBUS
+
+
+def exit_text(returncode: int | None, ram_path: str | os.PathLike[str] | None) -> str:
+    """How QEMU ended, in words: ``status 1``, or the SIGBUS death with the filesystem that ran out and the fix."""
+    if not killed_by_sigbus(returncode) or ram_path is None:
+        return f"status {returncode}"
+    try:
+        where = filesystem_of(Path(ram_path).parent).describe()
+    except OSError:
+        where = f"the filesystem of {Path(ram_path).parent}"
+    return (
+        f"status {returncode}: QEMU was killed by SIGBUS because the filesystem holding guest RAM "
+        f"({ram_path}), {where}, ran out of space; {RUNTIME_FIX}"
+    )
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that found no room (ENOSPC, EDQUOT)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+
+
+#: The fix for a full snapshot store.
+STORE_HINT = "free space there (`forkd snapshots rm` removes old snapshots) and try again"
+
+
+def no_space_text(exc: OSError, where: str | os.PathLike[str], what: str, hint: str = STORE_HINT) -> str:
+    """``what`` failed for lack of room in ``where``: the filesystem, its free space, the fix (``hint``)."""
+    try:
+        filesystem = filesystem_of(where).describe()
+    except OSError:
+        filesystem = "its filesystem"
+    reason = "the disk quota is exhausted" if exc.errno == errno.EDQUOT else "no space left"
+    return f"{what} failed: {reason} in {where}, on {filesystem}; {hint}"
