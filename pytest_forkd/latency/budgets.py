@@ -288,3 +288,24 @@ def check(budgets: Iterable[Budget], samples: Iterable[Sample]) -> list[Violatio
         if measured > budget.limit_ms:
             violations.append(Violation(budget, measured, len(values)))
     return violations
+
+
+def describe_budgets(op: str, budgets: Iterable[Budget]) -> str:
+    """How ``op`` is limited, for a summary's budget column: suite-wide limits, then the tests' own.
+
+    Per-test budgets (a ``forkd_budget`` marker or fixture) are counted, not
+    listed: ``max<=5000 in 3 tests`` (a range when they differ).
+    """
+    relevant = [budget for budget in budgets if budget.op == op]
+    shown = [
+        f"{budget.stat}<={budget.limit_ms:g}" + (f"[{budget.backend}]" if budget.backend else "")
+        for budget in relevant
+        if budget.test is None
+    ]
+    per_test = [budget for budget in relevant if budget.test is not None]
+    if per_test:
+        limits = sorted({budget.limit_ms for budget in per_test})
+        tests = len({budget.test for budget in per_test})
+        bound = f"{limits[0]:g}" if len(limits) == 1 else f"{limits[0]:g}-{limits[-1]:g}"
+        shown.append(f"max<={bound} in {tests} test{'' if tests == 1 else 's'}")
+    return ", ".join(shown) or "-"

@@ -179,10 +179,12 @@ class Recorder:
     context variables) must still have those forks attributed to it.
     """
 
-    def __init__(self, samples: Iterable[Sample] = ()) -> None:
+    def __init__(self, samples: Iterable[Sample] = (), build_samples: Iterable[Sample] = ()) -> None:
         self._lock = threading.Lock()
         self._samples: list[Sample] = list(samples)
+        self._build_samples: list[Sample] = list(build_samples)
         self._running_test: str | None = None
+        self._building: str | None = None
 
     @property
     def current_test(self) -> str | None:
@@ -200,6 +202,26 @@ class Recorder:
             with self._lock:
                 self._running_test = previous
 
+    @contextmanager
+    def building(self, snapshot: str) -> Iterator[None]:
+        """Keep every sample recorded inside the block apart, as work of building snapshot ``snapshot``.
+
+        A snapshot's set-up commands run once, on the run that builds it: were
+        their samples counted with the tests', a budget such as ``exec.max``
+        would fail that run and pass the next, and a baseline would compare a
+        building run with a cached one. They are kept in :meth:`build_samples`
+        instead (no test, ``extra["snapshot"]`` naming the snapshot), which
+        budgets and stored runs never read. Samples recorded with an explicit
+        ``test=`` (work that knows whose it is) are not affected.
+        """
+        with self._lock:
+            previous, self._building = self._building, snapshot
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._building = previous
+
     def record(
         self,
         op: str,
@@ -214,7 +236,11 @@ class Recorder:
     ) -> Sample:
         """Store one sample and return it."""
         with self._lock:
-            if isinstance(test, _UseRunningTest):
+            building = self._building if isinstance(test, _UseRunningTest) else None
+            if building is not None:
+                test = None
+                extra = {**(extra or {}), "snapshot": building}
+            elif isinstance(test, _UseRunningTest):
                 test = self._running_test
             sample = Sample(
                 op=op,
@@ -226,18 +252,25 @@ class Recorder:
                 cold=cold,
                 extra=extra or {},
             )
-            self._samples.append(sample)
+            (self._samples if building is None else self._build_samples).append(sample)
         return sample
 
-    def extend(self, samples: Iterable[Sample]) -> None:
-        """Add samples gathered elsewhere, e.g. by an xdist worker."""
-        incoming = list(samples)
+    def extend(self, samples: Iterable[Sample], build_samples: Iterable[Sample] = ()) -> None:
+        """Add samples gathered elsewhere, e.g. by an xdist worker (its builds' samples apart)."""
+        incoming, incoming_builds = list(samples), list(build_samples)
         with self._lock:
             self._samples.extend(incoming)
+            self._build_samples.extend(incoming_builds)
 
     def samples(self) -> list[Sample]:
+        """The samples of tests and sessions: everything but snapshot builds (see :meth:`building`)."""
         with self._lock:
             return list(self._samples)
+
+    def build_samples(self) -> list[Sample]:
+        """The samples recorded while building snapshots, kept out of budgets and baselines."""
+        with self._lock:
+            return list(self._build_samples)
 
     def by_op(self) -> dict[str, list[Sample]]:
         """Samples grouped by operation, in order of first appearance."""
@@ -247,7 +280,11 @@ class Recorder:
         return groups
 
     def to_json(self) -> str:
-        return json.dumps({"version": _FORMAT_VERSION, "samples": [s.to_dict() for s in self.samples()]})
+        document: dict[str, object] = {"version": _FORMAT_VERSION, "samples": [s.to_dict() for s in self.samples()]}
+        builds = self.build_samples()
+        if builds:
+            document["build_samples"] = [s.to_dict() for s in builds]
+        return json.dumps(document)
 
     @classmethod
     def from_json(cls, text: str) -> Recorder:
@@ -261,16 +298,20 @@ class Recorder:
                 "timing samples: expected an object with version 1 and a 'samples' list, "
                 "as written by Recorder.to_json()"
             )
-        raw_samples = data.get("samples")
-        if not isinstance(raw_samples, list):
-            raise ConfigError(f"timing samples: 'samples' must be a list, got {raw_samples!r}")
-        parsed = []
-        for index, item in enumerate(raw_samples):
-            try:
-                parsed.append(Sample.from_dict(item))
-            except ConfigError as exc:
-                raise ConfigError(f"timing samples: samples[{index}]: {exc}") from None
-        return cls(parsed)
+        return cls(_parse_samples(data, "samples"), _parse_samples(data, "build_samples", required=False))
+
+
+def _parse_samples(data: Mapping[str, object], key: str, *, required: bool = True) -> list[Sample]:
+    raw_samples = data.get(key, None if required else [])
+    if not isinstance(raw_samples, list):
+        raise ConfigError(f"timing samples: {key!r} must be a list, got {raw_samples!r}")
+    parsed = []
+    for index, item in enumerate(raw_samples):
+        try:
+            parsed.append(Sample.from_dict(item))
+        except ConfigError as exc:
+            raise ConfigError(f"timing samples: {key}[{index}]: {exc}") from None
+    return parsed
 
 
 _active_recorder = Recorder()

@@ -28,6 +28,15 @@ Fixtures
         a :class:`~pytest_forkd.core.trajectory.Trajectory` of ``forkd_vm``: run an
         agent's steps with a diff checkpoint every 10, then ``bisect(predicate)``
         to the first bad step. Its checkpoints are deleted after the test.
+    ``forkd_sandbox_client`` (function)
+        an OpenAI Agents SDK sandbox client whose sessions are children of
+        the parent's state, all killed after the test (see
+        :mod:`pytest_forkd.plugin.frameworks`; skipped without the SDK).
+    ``forkd_inspect_sandbox`` (function)
+        a sandbox spec for an Inspect ``Task``: the samples of an eval run in
+        the test are children of the parent's state, each killed when its
+        sample ends (see :mod:`pytest_forkd.plugin.frameworks_inspect`;
+        skipped without Inspect).
     ``forkd_dangerous_checkpoint`` (function)
         for tests marked ``forkd_dangerous``: the checkpoint of ``forkd_vm``
         taken when this fixture is set up (without the fixture it is taken
@@ -58,6 +67,10 @@ when the run ends; a violation, like a regression found by
 (``pytest.ExitCode.TESTS_FAILED``) and is listed in the terminal summary. A
 baseline from another machine, accelerator, backend or QEMU version is
 warned about; ``--forkd-compare-strict`` refuses it and fails the run.
+Building a snapshot (its set-up commands) is timed apart and never counted
+against budgets or baselines: the summary shows it in its own row.
+``--forkd-report=PATH`` writes the run as one HTML page (histograms with
+the budgets drawn in, the slowest tests, the comparison).
 
 Nothing boots and nothing is probed until a test uses a forkd fixture, and
 nothing heavy is imported either: pytest loads this package in every project
@@ -69,6 +82,8 @@ resolving them), :mod:`~pytest_forkd.plugin.state` (the run's state in
 ``config.stash``), :mod:`~pytest_forkd.plugin.fixtures`,
 :mod:`~pytest_forkd.plugin.hooks`, :mod:`~pytest_forkd.plugin.report`
 (header, failure sections, end-of-run tables, stored runs),
+:mod:`~pytest_forkd.plugin.progress` (build progress on the terminal),
+:mod:`~pytest_forkd.plugin.html_report` (``--forkd-report``),
 :mod:`~pytest_forkd.plugin.xdist` and :mod:`~pytest_forkd.project.session`
 (the ``forkd`` fixture's session). This module is the ``pytest11`` entry
 point: it re-exports every hook and fixture, so pytest finds them all by
@@ -95,6 +110,8 @@ from pytest_forkd.plugin.fixtures import (
     forkd_trajectory,
     forkd_vm,
 )
+from pytest_forkd.plugin.frameworks import forkd_sandbox_client
+from pytest_forkd.plugin.frameworks_inspect import forkd_inspect_sandbox
 from pytest_forkd.plugin.hooks import (
     pytest_assertrepr_compare,
     pytest_collection_modifyitems,
@@ -124,7 +141,9 @@ __all__ = [
     "forkd_budget",
     "forkd_checkpoint",
     "forkd_dangerous_checkpoint",
+    "forkd_inspect_sandbox",
     "forkd_parent",
+    "forkd_sandbox_client",
     "forkd_trajectory",
     "forkd_vm",
     "pytest_addoption",

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
+from pytest_forkd.plugin.progress import progress_printer
 from pytest_forkd.plugin.state import run_state, worker_id
 
 if TYPE_CHECKING:
@@ -75,21 +75,6 @@ def choice_of(item: pytest.Item, settings: Settings) -> VMChoice:
     from pytest_forkd.project.settings import VMChoice
 
     return item.stash.get(CHOICE, None) or VMChoice(settings.snapshot, settings.backend)
-
-
-def progress_printer(config: pytest.Config) -> Callable[[str], None]:
-    """Print progress lines (snapshot builds) on the terminal even while output is captured."""
-
-    def show(line: str) -> None:
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is None:
-            return
-        capture = config.pluginmanager.get_plugin("capturemanager")
-        with capture.global_and_fixture_disabled() if capture is not None else nullcontext():
-            reporter.ensure_newline()
-            reporter.write_line(line)
-
-    return show
 
 
 @pytest.fixture(scope="session")

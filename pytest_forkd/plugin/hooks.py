@@ -21,6 +21,7 @@ from pytest_forkd.errors import ForkdError
 from pytest_forkd.plugin import report
 from pytest_forkd.plugin.fixtures import CHOICE, DANGEROUS_CHECKPOINT, TEST_BUDGETS, TEST_VM, TEST_VMS, choice_of
 from pytest_forkd.plugin.options import add_markers
+from pytest_forkd.plugin.progress import PrefixRestorer
 from pytest_forkd.plugin.state import STATE, names_forkd, run_state, start_run, uses_forkd, worker_id
 from pytest_forkd.plugin.xdist import WORKER_OUTPUT_KEY, XdistHooks
 
@@ -40,6 +41,12 @@ def pytest_configure(config: pytest.Config) -> None:
         state.resolve()  # a bad setting fails the run now, before any test
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(state), "forkd-xdist")
+    config.pluginmanager.register(PrefixRestorer(config), "forkd-progress")
+    if config.getoption("forkd_report", None) and getattr(config, "workerinput", None) is None:
+        from pytest_forkd.plugin.html_report import TestTimes, check_report_path
+
+        check_report_path(config.getoption("forkd_report"))
+        config.pluginmanager.register(TestTimes(state), "forkd-report")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -68,6 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     state.children_expected = _expected_children(config, used)
     state.resolve()
     backends: list[str] | None = None
+    marked_snapshots: set[str] = set()
     try:
         for item in used:
             budget_marker = item.get_closest_marker("forkd_budget")
@@ -85,9 +93,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     from pytest_forkd.storage.backend import registry
 
                     backends = registry().ids()
-                item.stash[CHOICE] = choose_vm(
+                item.stash[CHOICE] = choice = choose_vm(
                     state.settings, marker.args, marker.kwargs, backends=backends, test=item.nodeid
                 )
+                marked_snapshots.add(choice.snapshot)
+        if marked_snapshots - {state.settings.snapshot}:
+            from pytest_forkd.plugin.options import check_snapshots
+
+            check_snapshots(state.settings, state.project, sorted(marked_snapshots - {state.settings.snapshot}))
     except ForkdError as exc:
         raise pytest.UsageError(str(exc)) from None
 
@@ -115,23 +128,33 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         )
         return
     samples = state.recorder.samples()
-    if not samples:
+    options = config.option
+    if not samples and not options.forkd_report:
         return
     from pytest_forkd.latency.budgets import check, resolve
 
     budgets = resolve(state.project.budgets, state.cli_budgets, state.marker_budgets)
-    state.violations = check(budgets, samples)
-    failed = bool(state.violations)
-    options = config.option
-    if (
-        options.forkd_json
-        or options.forkd_save is not None
-        or options.forkd_autosave
-        or options.forkd_compare is not None
-    ):
-        failed |= report.store_and_compare(config, state, budgets)
-    if failed and session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if samples:
+        state.violations = check(budgets, samples)
+        failed = bool(state.violations)
+        if (
+            options.forkd_json
+            or options.forkd_save is not None
+            or options.forkd_autosave
+            or options.forkd_compare is not None
+        ):
+            failed |= report.store_and_compare(config, state, budgets)
+        if failed and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if options.forkd_report:
+        from pytest_forkd.plugin.html_report import write_html_report
+
+        try:
+            state.report = write_html_report(config, state, budgets, session.exitstatus)
+        except OSError as exc:  # the path was checked at start-up: the disk filled up, or it went away
+            state.report_error = f"could not write the HTML report to {options.forkd_report}: {exc}"
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # -- each test ------------------------------------------------------------------------------------------------

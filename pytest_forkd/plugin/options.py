@@ -57,6 +57,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write every timing sample, the summaries and budget results to PATH as JSON",
     )
     group.addoption(
+        "--forkd-report",
+        metavar="PATH",
+        default=None,
+        help="write an HTML report of the run to PATH: latency table, a histogram per operation with its "
+        "budgets, the comparison with a baseline (--forkd-compare), the slowest tests (self-contained, one file)",
+    )
+    group.addoption(
         "--forkd-save",
         nargs="?",
         const="",
@@ -132,19 +139,35 @@ def resolve_run(config: pytest.Config) -> Resolved:
         config_source=config_source,
         backends=lambda: registry().ids(),
     )
-    if settings.snapshot not in project.snapshot_names():
-        from pytest_forkd.project.session import open_stores
-        from pytest_forkd.project.snapshot_builder import unknown_snapshot_error
-
-        shared, store = open_stores(settings, project)
-        if not store.exists(settings.snapshot) and not shared.exists(settings.snapshot):
-            raise unknown_snapshot_error(settings.snapshot, project, store)
+    check_snapshots(settings, project, [settings.snapshot])
     return Resolved(
         settings=settings,
         project=project,
         cli_budgets=[budget_from_cli(text) for text in config.getoption("forkd_budget")],
         thresholds=_compare_fail_thresholds(config.getoption("forkd_compare_fail")),
     )
+
+
+def check_snapshots(settings: Settings, project: Project, names: list[str]) -> None:
+    """Fail (ConfigError) when a snapshot the run uses is unknown, or starts from an image that is missing.
+
+    A snapshot is known when forkd.yaml declares it (or it is ``base``) or the
+    store holds it (a kept failed test's VM, an imported one). Checked before
+    any test runs, so the mistake is one usage error rather than the same
+    error in every test's setup.
+    """
+    from pytest_forkd.project.snapshot_builder import check_images, unknown_snapshot_error
+
+    declared = project.snapshot_names()
+    check_images(project, [name for name in names if name in declared])
+    undeclared = [name for name in names if name not in declared]
+    if undeclared:
+        from pytest_forkd.project.session import open_stores
+
+        shared, store = open_stores(settings, project)
+        for name in undeclared:
+            if not store.exists(name) and not shared.exists(name):
+                raise unknown_snapshot_error(name, project, store)
 
 
 def _compare_fail_thresholds(expressions: list[str]) -> list[Threshold]:

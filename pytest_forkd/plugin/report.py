@@ -229,6 +229,8 @@ def store_and_compare(config: pytest.Config, state: RunState, budgets: list[Budg
     if options.forkd_json:
         output = dict(document)
         output["budgets"] = [vars(budget) for budget in budgets]
+        output["build_samples"] = [sample.to_dict() for sample in state.recorder.build_samples()]
+        output["builds"] = state.build_events
         output["violations"] = [
             {
                 "test": violation.budget.test,
@@ -250,6 +252,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     state = run_state(config)
     samples = state.recorder.samples()
     if not samples and not state.build_events:
+        _report_written(terminalreporter, state)
         return
     from pytest_forkd.latency.stats import summarize
 
@@ -261,9 +264,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
             write(f"snapshot {event['snapshot']!r}: built in {event['seconds']:.1f} s{where}")
         else:
             write(f"snapshot {event['snapshot']!r}: cached{where}")
-    if samples:
-        budgets = [b for b in (*state.project.budgets, *state.cli_budgets) if b.test is None]
-        write(operations_table(samples, budgets, state.comparison))
+    builds = built_seconds(state)
+    if samples or builds:
+        write(operations_table(samples, run_budgets(state), state.comparison, builds=builds))
     for prefill in state.prefills:
         write(
             f"pool prefill: {prefill['children']} children of {prefill['snapshot']!r} ready in "
@@ -276,6 +279,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
             f"fixture_overhead_ms per test (forkd_vm setup + teardown): p50 {summary.p50:.1f}, "
             f"p95 {summary.p95:.1f}, max {summary.max:.1f} (n={summary.n})"
         )
+    if samples:  # the run started VMs: was the host's CPU the limit, or idle cores? (see cpu_bound)
+        from pytest_forkd.plugin import cpu_bound
+
+        bound = cpu_bound.measure()
+        if bound is not None:
+            write(bound.line())
     for kept in state.kept:
         write(f"kept failed VM of {kept.test} as snapshot {kept.tag!r}: forkd shell {kept.tag} --store {kept.store}")
     if state.comparison is not None:
@@ -289,10 +298,49 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     if state.violations:
         write("latency budget violations (exit status 1):", red=True, bold=True)
         write(violations_table(state.violations), red=True)
+    _report_written(terminalreporter, state)
 
 
-def operations_table(samples: list[Sample], budgets: list[Budget], comparison: Comparison | None) -> str:
-    """Per operation: n, p50, p95, max, suite-wide budgets, p95 delta against the compared run."""
+def _report_written(terminalreporter: pytest.TerminalReporter, state: RunState) -> None:
+    """Where ``--forkd-report`` wrote the HTML report, or why it could not."""
+    if state.report is not None:
+        terminalreporter.write_line(f"forkd: HTML report written to {state.report}")
+    if state.report_error is not None:
+        terminalreporter.write_line(f"forkd: {state.report_error} (exit status 1)", red=True, bold=True)
+
+
+#: Row of the summary table for snapshot builds (never budgeted, never compared).
+BUILD_ROW: Final = "snapshot build"
+
+
+def run_budgets(state: RunState) -> list[Budget]:
+    """Every budget of the run: forkd.yaml's and the command line's (suite-wide), and the markers' (per test)."""
+    from pytest_forkd.latency.budgets import resolve
+
+    return resolve(state.project.budgets, state.cli_budgets, state.marker_budgets)
+
+
+def built_seconds(state: RunState) -> list[float]:
+    """How long each snapshot this run built took (by every xdist worker); cached ones cost nothing."""
+    return [float(event["seconds"]) for event in state.build_events if event["action"] == "built"]
+
+
+def operations_table(
+    samples: list[Sample],
+    budgets: list[Budget],
+    comparison: Comparison | None,
+    *,
+    builds: list[float] | None = None,
+) -> str:
+    """Per operation: n, p50, p95, max, budgets, p95 delta against the compared run; builds in their own row.
+
+    ``budgets`` holds suite-wide budgets and per-test ones (a marker's, with
+    its ``test`` set): the budget column shows both, so a test's marker
+    shows up in its operation's row. ``builds`` are the seconds each snapshot
+    build took: one row, never budgeted nor compared (see
+    :meth:`pytest_forkd.latency.timings.Recorder.building`).
+    """
+    from pytest_forkd.latency.budgets import describe_budgets
     from pytest_forkd.latency.stats import summarize
     from pytest_forkd.latency.timings import KNOWN_OPS
 
@@ -307,9 +355,6 @@ def operations_table(samples: list[Sample], budgets: list[Budget], comparison: C
     rows = []
     for op in sorted(by_op, key=lambda op: (KNOWN_OPS.index(op) if op in KNOWN_OPS else len(KNOWN_OPS), op)):
         summary = summarize(by_op[op])
-        limits = ", ".join(
-            f"{b.stat}<={b.limit_ms:g}" + (f"[{b.backend}]" if b.backend else "") for b in budgets if b.op == op
-        )
         rows.append(
             (
                 op,
@@ -317,8 +362,21 @@ def operations_table(samples: list[Sample], budgets: list[Budget], comparison: C
                 f"{summary.p50:.1f}",
                 f"{summary.p95:.1f}",
                 f"{summary.max:.1f}",
-                limits or "-",
+                describe_budgets(op, budgets),
                 deltas.get(op, "-"),
+            )
+        )
+    if builds:
+        summary = summarize([seconds * 1000 for seconds in builds])
+        rows.append(
+            (
+                BUILD_ROW,
+                summary.n,
+                f"{summary.p50:.1f}",
+                f"{summary.p95:.1f}",
+                f"{summary.max:.1f}",
+                "not budgeted",
+                "-",
             )
         )
     return render_table(rows, ("operation", "n", "p50 ms", "p95 ms", "max ms", "budget", "delta p95"))

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from pytest_forkd.latency.compare import Comparison, Threshold
     from pytest_forkd.latency.timings import Recorder
     from pytest_forkd.plugin.options import Resolved
-    from pytest_forkd.project.session import ForkdSession
     from pytest_forkd.project.config import Project
+    from pytest_forkd.project.session import ForkdSession
     from pytest_forkd.project.settings import Settings
 
 #: Prefixes that name forkd in a run's options and environment.
@@ -63,6 +63,12 @@ class RunState:
     comparison_refused: str | None = None
     """Why ``--forkd-compare-strict`` refused to compare (the run fails)."""
     saved_run: Path | None = None
+    report: Path | None = None
+    """Where ``--forkd-report`` wrote the HTML report."""
+    report_error: str | None = None
+    """Why the HTML report could not be written (the run fails)."""
+    test_times: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """Each test's setup + call + teardown seconds and outcome (for ``--forkd-report``)."""
     session: ForkdSession | None = None
     children_expected: int | None = None
     """Collected tests that use ``forkd_vm`` (a bound on the children the pool restores ahead of them)."""
@@ -153,9 +159,12 @@ def names_forkd(config: pytest.Config) -> bool:
             return True
     if any(name.startswith(ENV_PREFIX) for name in os.environ):
         return True
-    from pytest_forkd.project.settings import OPTIONS  # loaded already: it declares the options
+    from pytest_forkd.project.settings import OPTIONS, ini_text  # loaded already: it declares the options
 
-    if any(config.getini(option.ini_key) for option in OPTIONS):
+    try:
+        if any(ini_text(config, option) for option in OPTIONS):
+            return True
+    except ForkdError:  # a bad ini value names forkd too: resolving it reports the error
         return True
     return (Path(config.rootpath) / PROJECT_FILE).is_file()
 

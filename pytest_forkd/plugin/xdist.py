@@ -1,5 +1,8 @@
 """pytest-xdist: the controller gathers each worker's timing samples, budgets, snapshot builds and kept VMs.
 
+Every worker collects every test, so each sends every test's marker budgets:
+the controller keeps one of each.
+
 Each worker is a pytest process with its own forkd session (its own warm
 parent); at the end it sends what it recorded through xdist's
 ``workeroutput`` (see :func:`pytest_forkd.plugin.hooks.pytest_sessionfinish`),
@@ -35,7 +38,11 @@ class XdistHooks:
             self.state.worker_died |= error is not None
             return
         data = json.loads(output)
-        self.state.recorder.extend(Recorder.from_json(data["samples"]).samples())
-        self.state.marker_budgets += [Budget(**budget) for budget in data["marker_budgets"]]
+        worker = Recorder.from_json(data["samples"])
+        self.state.recorder.extend(worker.samples(), worker.build_samples())
+        known = set(self.state.marker_budgets)  # every worker collects every test, and so sends every marker
+        self.state.marker_budgets += [
+            budget for budget in (Budget(**fields) for fields in data["marker_budgets"]) if budget not in known
+        ]
         self.state.build_events += data["build_events"]
         self.state.kept += [KeptVM(**kept) for kept in data["kept"]]

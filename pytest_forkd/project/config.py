@@ -202,8 +202,23 @@ def load_project(path: Path | str) -> Project:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path.name}: not valid YAML: {exc}") from None
+        raise ConfigError(yaml_error_message(path, exc)) from None
     return parse_project(data, path=path.absolute())
+
+
+def yaml_error_message(path: Path, exc: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: the file and line, what the parser found, and the fix."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    context = getattr(exc, "context", None)
+    context_mark = getattr(exc, "context_mark", None)
+    if context and context_mark is not None and mark is not None and context_mark.line != mark.line:
+        problem += f" ({' '.join(str(context).split())} that starts on line {context_mark.line + 1})"
+    return (
+        f"{path.name}: not valid YAML{where}: {problem}; fix the indentation or quoting there "
+        "(a value holding ': ', ' #' or an unmatched quote needs quotes of its own)"
+    )
 
 
 def parse_project(data: object, *, path: Path) -> Project:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import pytest
 
@@ -111,6 +111,9 @@ class Option:
     metavar: str | None = None
     is_flag: bool = False
     is_path: bool = False
+    ini_type: Literal["string", "bool", "int"] = "string"
+    """How pytest reads the ini key (``parser.addini(type=...)``): a flag is ``bool``, a count ``int``, so
+    ``[tool.pytest]`` in pyproject.toml takes ``true`` and ``3`` as they are."""
 
     @property
     def flag(self) -> str:
@@ -176,6 +179,7 @@ OPTIONS: Final = (
         1,
         _pool_size,
         metavar="N",
+        ini_type="int",
     ),
     Option(
         "pool_prefill",
@@ -184,6 +188,7 @@ OPTIONS: Final = (
         False,
         _flag,
         is_flag=True,
+        ini_type="bool",
     ),
     Option(
         "max_output",
@@ -199,6 +204,7 @@ OPTIONS: Final = (
         False,
         _flag,
         is_flag=True,
+        ini_type="bool",
     ),
     Option(
         "keep_failed_count",
@@ -206,6 +212,7 @@ OPTIONS: Final = (
         5,
         _count,
         metavar="N",
+        ini_type="int",
     ),
     Option(
         "keep_failed_age",
@@ -234,7 +241,25 @@ def add_options(group: Any, parser: pytest.Parser) -> None:
             group.addoption(option.flag, action="store_true", default=None, dest=option.dest, help=help_text)
         else:
             group.addoption(option.flag, default=None, dest=option.dest, metavar=option.metavar, help=help_text)
-        parser.addini(option.ini_key, help=option.help, default="")
+        parser.addini(option.ini_key, help=option.help, type=option.ini_type, default=None)
+
+
+def ini_text(config: pytest.Config, option: Option) -> str:
+    """The ini value of ``option`` as the text its parser takes ("" when unset); a bad one names the key.
+
+    pytest converts ``bool`` and ``int`` keys itself (see :func:`add_options`);
+    its own error for a bad value does not say which key, so it is replaced.
+    """
+    try:
+        value = config.getini(option.ini_key)
+    except (pytest.UsageError, ValueError, TypeError) as exc:
+        expected = {"bool": "true or false", "int": "a whole number"}.get(option.ini_type, "a string")
+        raise ConfigError(f"ini {option.ini_key}: expected {expected} ({exc}); fix it in the pytest ini file") from None
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -390,9 +415,7 @@ def choose_vm(
 def project_file(config: pytest.Config) -> tuple[Path | None, str]:
     """The project file of a pytest run (``--forkd-config``, env, ini, or forkd.yaml in the rootdir)."""
     option = _BY_NAME["config"]
-    return config_path(
-        config.getoption(option.dest), os.environ, str(config.getini(option.ini_key)), Path(config.rootpath)
-    )
+    return config_path(config.getoption(option.dest), os.environ, ini_text(config, option), Path(config.rootpath))
 
 
 def from_pytest_config(
@@ -407,7 +430,7 @@ def from_pytest_config(
     return resolve(
         cli={option.name: config.getoption(option.dest) for option in OPTIONS if option.name != "config"},
         env=os.environ,
-        ini={option.name: str(config.getini(option.ini_key)) for option in OPTIONS if option.name != "config"},
+        ini={option.name: ini_text(config, option) for option in OPTIONS if option.name != "config"},
         project_settings=project_settings,
         backends=backends,
         rootdir=Path(config.rootpath),

@@ -26,8 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
@@ -39,6 +41,7 @@ from pytest_forkd.engine.qemu.network import NetworkSpec
 from pytest_forkd.errors import ConfigError, DamagedSnapshot, InvalidArgument, SnapshotError
 from pytest_forkd.guest.exec_result import ExecResult
 from pytest_forkd.image import Image, ensure_image
+from pytest_forkd.latency import timings
 from pytest_forkd.paths import validate_tag
 from pytest_forkd.project import lifecycle
 from pytest_forkd.project.config import BASE_SNAPSHOT, IMAGE_PREFIX, Project, SnapshotRecipe
@@ -337,6 +340,7 @@ class SnapshotBuilder:
     def _build(
         self, plan: _Plan, parent: Snapshot | None, recipe_hash: str, store: SnapshotStore | None = None
     ) -> Snapshot:
+        """Build the snapshot; its VMs' timings are kept apart from the tests' (see ``Recorder.building``)."""
         recipe = plan.recipe
         started_from = f"image {recipe.source_image!r}" if parent is None else repr(parent.tag)
         commands = len(recipe.setup)
@@ -346,52 +350,114 @@ class SnapshotBuilder:
         )
         staging_tag = f"build-{recipe_hash[:16]}"
         staging = self.factory.session_store
-        if parent is None:
-            image_name = recipe.source_image or DEFAULT_IMAGE
-            vm = self.factory.boot(
-                self.image(image_name), memory_mib=plan.memory_mib, vcpus=plan.vcpus, network=plan.network
-            )
-        else:
-            vm = self.factory.fork_snapshot(parent, 1, network=plan.network)[0]  # inherits the parent's env and workdir
-        try:
-            if parent is None and recipe.source_image is not None and recipe.source_image in self.project.images:
-                self._image_setup(vm, plan, recipe.source_image)
-            vm.env = {**vm.env, **recipe.env}
-            env = dict(vm.env)
-            self._provision(vm, plan, env)
-            if parent is None:
-                staged = branching.freeze(vm, staging_tag, store=staging, keep_running=False, replace=True)
-            else:
-                staged = branching.branch(vm, staging_tag, backend="full", store=staging)
-        finally:
-            vm.close()
+        clock = _Clock(self.progress, plan.tag)
+        with timings.active_recorder().building(plan.tag):
+            staged, env = self._assemble(plan, parent, staging_tag, staging, clock)
         try:
             extra = {"recipe_hash": recipe_hash, "recipe": recipe.name, "env": env, "setup": list(recipe.setup)}
-            return publish_copy(staged, store or self.store, plan.tag, extra=extra)
+            snapshot = publish_copy(staged, store or self.store, plan.tag, extra=extra)
         finally:
             staging.remove(staging_tag)
+        self.progress(f"forkd: built snapshot {plan.tag!r} in {clock.elapsed():.1f} s")
+        return snapshot
 
-    def _provision(self, vm: VM, plan: _Plan, env: Mapping[str, str]) -> None:
+    def _assemble(
+        self, plan: _Plan, parent: Snapshot | None, staging_tag: str, staging: SnapshotStore, clock: _Clock
+    ) -> tuple[Snapshot, dict[str, str]]:
+        """Boot or fork the snapshot's first VM, run its recipe, stage the result; return it and its env."""
+        recipe = plan.recipe
+        if parent is None:
+            image_name = recipe.source_image or DEFAULT_IMAGE
+            image = self.image(image_name)
+            with clock.step(f"booting image {image_name!r}"):
+                vm = self.factory.boot(image, memory_mib=plan.memory_mib, vcpus=plan.vcpus, network=plan.network)
+        else:
+            with clock.step(f"restoring {parent.tag!r}"):
+                vm = self.factory.fork_snapshot(parent, 1, network=plan.network)[0]  # inherits env and workdir
+        try:
+            if parent is None and recipe.source_image is not None and recipe.source_image in self.project.images:
+                self._image_setup(vm, plan, recipe.source_image, clock)
+            vm.env = {**vm.env, **recipe.env}
+            env = dict(vm.env)
+            self._provision(vm, plan, env, clock)
+            with clock.step("saving the snapshot"):
+                if parent is None:
+                    staged = branching.freeze(vm, staging_tag, store=staging, keep_running=False, replace=True)
+                else:
+                    staged = branching.branch(vm, staging_tag, backend="full", store=staging)
+        finally:
+            vm.close()
+        return staged, env
+
+    def _provision(self, vm: VM, plan: _Plan, env: Mapping[str, str], clock: _Clock) -> None:
         """Copy the recipe's files in and run its setup commands; stop at the first failure."""
         recipe = plan.recipe
         if recipe.workdir is not None:
             vm.exec(["mkdir", "-p", recipe.workdir], check=True)
             vm.cwd = recipe.workdir
         for copy in recipe.files:  # a file or a whole tree; parents are made
-            vm.copy_in(copy.host_path, copy.guest_path, exclude=copy.exclude)
+            with clock.step(f"copying {copy.host_path} to {copy.guest_path}"):
+                vm.copy_in(copy.host_path, copy.guest_path, exclude=copy.exclude)
         for index, command in enumerate(recipe.setup):
-            result = vm.exec(command, env=dict(env))
+            with clock.step(f"setup[{index + 1}/{len(recipe.setup)}] $ {command}"):
+                result = vm.exec(command, env=dict(env))
             if result.exit_code != 0:
                 raise SnapshotError(_setup_failure(plan.tag, index, command, result))
 
-    def _image_setup(self, vm: VM, plan: _Plan, image_name: str) -> None:
+    def _image_setup(self, vm: VM, plan: _Plan, image_name: str, clock: _Clock) -> None:
         """Run the setup commands of an image declared under ``images:`` in a VM just booted from it."""
-        for index, command in enumerate(self.project.images[image_name].setup):
-            result = vm.exec(command)
+        commands = self.project.images[image_name].setup
+        for index, command in enumerate(commands):
+            with clock.step(f"images.{image_name}.setup[{index + 1}/{len(commands)}] $ {command}"):
+                result = vm.exec(command)
             if result.exit_code != 0:
                 raise SnapshotError(
                     _setup_failure(plan.tag, index, command, result, field=f"images.{image_name}.setup")
                 )
+
+
+#: A step still running after this many seconds is reported again, then every as many seconds more.
+STILL_RUNNING_S: Final = 15.0
+
+
+class _Clock:
+    """Progress of one snapshot build: each step as it starts, with the time since the build started.
+
+    A step that runs long (``apt-get install`` under TCG) is reported again
+    every :data:`STILL_RUNNING_S` seconds, so a build never goes quiet for
+    long. The reminder comes from a helper thread while the step runs on the
+    caller's thread; the caller is blocked in the step meanwhile, so the two
+    never write at the same time.
+    """
+
+    def __init__(self, progress: Callable[[str], None], tag: str) -> None:
+        self.progress = progress
+        self.tag = tag
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self.progress(f"forkd: snapshot {self.tag!r} +{self.elapsed():.1f} s: {what}")
+        done = threading.Event()
+        step_started = time.perf_counter()
+
+        def remind() -> None:
+            while not done.wait(STILL_RUNNING_S):
+                self.progress(
+                    f"forkd: snapshot {self.tag!r} +{self.elapsed():.1f} s: still running "
+                    f"({time.perf_counter() - step_started:.0f} s): {what}"
+                )
+
+        reminder = threading.Thread(target=remind, name=f"forkd-progress-{self.tag}", daemon=True)
+        reminder.start()
+        try:
+            yield
+        finally:
+            done.set()
+            reminder.join()
 
 
 def recipe_key(builder: SnapshotBuilder, names: list[str]) -> str:
@@ -410,6 +476,41 @@ def recipe_key(builder: SnapshotBuilder, names: list[str]) -> str:
     spec = builder.factory.machine_spec(image, memory_mib=DEFAULT_MEMORY_MIB, vcpus=DEFAULT_VCPUS)
     digest = hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()[:16]
     return f"forkd-qemu{spec.qemu.version}-{spec.accel}-{digest}"
+
+
+def check_images(project: Project, names: Iterable[str]) -> None:
+    """Fail (ConfigError naming the forkd.yaml field) when a snapshot of ``names`` starts from a missing image.
+
+    Checked when the run starts, so a typo in ``from: image:NAME`` is one
+    usage error before any test, not the same error in every test's setup
+    after seconds of booting. Only the ``from`` chains of ``names`` (the
+    snapshots this run uses) are checked: an image missing on this machine
+    matters only to the suites that boot it.
+    """
+    from pytest_forkd.image.catalog import image_names
+
+    built: list[str] | None = None
+    for name in names:
+        seen: set[str] = set()
+        current = name
+        while current not in seen and (current == BASE_SNAPSHOT or current in project.snapshots):
+            seen.add(current)
+            recipe = project.snapshots.get(current, BASE_RECIPE)
+            image = recipe.source_image
+            if image is None:
+                current = recipe.source
+                continue
+            if image != DEFAULT_IMAGE and image not in project.images:
+                built = image_names() if built is None else built
+                if image not in built:
+                    declared = ", ".join(sorted(project.images)) or "none"
+                    raise ConfigError(
+                        f"{project.origin}: snapshots.{recipe.name}.from: no image named {image!r} "
+                        f"(built on this machine: {', '.join(built) or 'none'}; declared under images: {declared}); "
+                        f"fix the name, declare it under `images:` in {project.origin}, build it with "
+                        f"`forkd image build --name {image}`, or start from a snapshot (from: base)"
+                    )
+            break
 
 
 def unknown_snapshot_error(name: str, project: Project, store: SnapshotStore) -> ConfigError:

@@ -155,3 +155,43 @@ def test_known_ops_contain_every_operation_constant():
         timings.OP_MANIFEST,
         timings.OP_CHANGES,
     }
+
+
+def test_samples_of_a_snapshot_build_are_kept_apart():
+    recorder = Recorder()
+    with recorder.running_test("t.py::test_a"):
+        recorder.record("exec", 2.0)
+        with recorder.building("web"):
+            recorder.record("exec", 3000.0)  # a set-up command
+            recorder.record("fork", 5.0, test="t.py::test_a")  # work that says whose it is stays with it
+        recorder.record("exec", 4.0)
+    assert [(s.op, s.ms, s.test) for s in recorder.samples()] == [
+        ("exec", 2.0, "t.py::test_a"),
+        ("fork", 5.0, "t.py::test_a"),
+        ("exec", 4.0, "t.py::test_a"),
+    ]
+    [build] = recorder.build_samples()
+    assert (build.op, build.ms, build.test, dict(build.extra)) == ("exec", 3000.0, None, {"snapshot": "web"})
+
+
+def test_build_samples_travel_with_a_workers_samples():
+    worker = Recorder()
+    worker.record("exec", 1.0)
+    with worker.building("web"):
+        worker.record("boot", 2500.0)
+    controller = Recorder()
+    merged = Recorder.from_json(worker.to_json())
+    controller.extend(merged.samples(), merged.build_samples())
+    assert [s.op for s in controller.samples()] == ["exec"]
+    assert [s.op for s in controller.build_samples()] == ["boot"]
+    assert "build_samples" not in json.loads(Recorder([Sample("exec", 1.0)]).to_json())  # the old format, unchanged
+
+
+def test_budgets_never_see_a_build():
+    from pytest_forkd.latency.budgets import budget_from_cli, check
+
+    recorder = Recorder()
+    with recorder.building("slow"):
+        recorder.record("exec", 3000.0)
+    recorder.record("exec", 20.0)
+    assert check([budget_from_cli("exec.max=2000")], recorder.samples()) == []

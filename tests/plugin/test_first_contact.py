@@ -1,0 +1,190 @@
+"""What a new user meets first: mistakes in forkd.yaml, the ini file and the options are one usage line
+(exit status 4) before any test runs, build progress keeps clear of pytest's progress line, and
+``--forkd-report`` writes its page (no VM is started here; see test_first_contact_vms.py for builds).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+
+def assert_one_usage_line(result: pytest.RunResult, *patterns: str) -> None:
+    """Exit status 4, nothing ran, no traceback: the error is one line matching ``patterns``."""
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    output = "\n".join(result.outlines + result.errlines)
+    assert "Traceback" not in output and "INTERNALERROR" not in output, output
+    assert not re.search(r"\b(passed|failed|error)\b in ", output), output  # no test ran
+    errors = [line for line in result.errlines if line.startswith("ERROR: ")]
+    assert len(errors) == 1, result.errlines
+    for pattern in patterns:
+        assert re.search(pattern, errors[0]), (pattern, errors[0])
+
+
+TEST_FILE = "def test_x(forkd_vm):\n    pass\n"
+
+
+def test_an_unknown_image_is_one_usage_line(pytester, run_forkd):
+    pytester.makefile(".yaml", forkd="snapshots:\n  tools:\n    from: image:nosuch\n    setup: ['true']\n")
+    pytester.makepyfile(TEST_FILE)
+    result = run_forkd("--forkd-snapshot=tools")
+    assert_one_usage_line(
+        result,
+        r"^ERROR: forkd\.yaml: snapshots\.tools\.from: no image named 'nosuch'",
+        r"forkd image build --name nosuch",
+        r"from: base",
+    )
+
+
+def test_an_unknown_image_behind_a_marker_is_one_usage_line(pytester, run_forkd):
+    pytester.makefile(".yaml", forkd="snapshots:\n  base2:\n    from: tools\n  tools:\n    from: image:nosuch\n")
+    pytester.makepyfile("import pytest\n\n@pytest.mark.forkd(snapshot='base2')\ndef test_x(forkd_vm):\n    pass\n")
+    result = run_forkd()
+    assert_one_usage_line(result, r"forkd\.yaml: snapshots\.tools\.from: no image named 'nosuch'")
+
+
+def test_an_unknown_snapshot_is_one_usage_line(pytester, run_forkd, tmp_path):
+    pytester.makepyfile(TEST_FILE)
+    result = run_forkd("--forkd-snapshot=nosuch", store=tmp_path)
+    assert_one_usage_line(result, r"unknown snapshot 'nosuch'", r"Declare 'nosuch' under `snapshots:`")
+
+
+def test_an_unknown_forkd_yaml_field_is_one_usage_line(pytester, run_forkd):
+    pytester.makefile(".yaml", forkd="snapshots:\n  web:\n    setpu: ['true']\n")
+    pytester.makepyfile(TEST_FILE)
+    result = run_forkd()
+    assert_one_usage_line(result, r"forkd\.yaml: snapshots\.web\.setpu: unknown key; valid keys: from, .*setup")
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("snapshots:\n  web:\n    from: base\n   setup: ['true']\n", 4),  # indentation
+        ("snapshots:\n  web:\n    setup: ['true'\n", 3),  # unclosed list, found at the end of the file
+        ("settings:\n  pool: 1\n\tbackend: full\n", 3),  # a tab
+    ],
+)
+def test_a_yaml_syntax_error_names_the_file_and_line(pytester, run_forkd, text, line):
+    pytester.makefile(".yaml", forkd=text)
+    pytester.makepyfile(TEST_FILE)
+    result = run_forkd()
+    assert_one_usage_line(result, rf"^ERROR: forkd\.yaml: not valid YAML at line {line}, column \d+: ", r"; fix ")
+
+
+def test_ini_keys_take_their_real_types(pytester, run_forkd):
+    pytester.makepyprojecttoml(
+        "[tool.pytest]\nforkd_pool = 0\nforkd_pool_prefill = true\nforkd_keep_failed_count = 2\n"
+    )
+    pytester.makeconftest(
+        "def pytest_report_header(config):\n"
+        "    from pytest_forkd.plugin.state import run_state\n"
+        "    s = run_state(config).settings\n"
+        "    return [f'resolved: pool={s.pool!r} prefill={s.pool_prefill!r} count={s.keep_failed_count!r} '\n"
+        "            f'source={s.describe(\"pool\")}']\n"
+    )
+    pytester.makepyfile("def test_plain(): pass")
+    result = run_forkd()
+    assert result.ret == pytest.ExitCode.OK, result.errlines
+    result.stdout.fnmatch_lines(["resolved: pool=0 prefill=True count=2 source=0 (from ini forkd_pool)"])
+
+
+def test_a_bad_ini_value_names_the_key(pytester, run_forkd):
+    pytester.makeini("[pytest]\nforkd_keep_failed = maybe\n")
+    pytester.makepyfile("def test_plain(): pass")
+    result = run_forkd()
+    assert_one_usage_line(result, r"ini forkd_keep_failed: expected true or false")
+
+
+def test_an_unset_ini_flag_leaves_forkd_yaml_in_charge(pytester, run_forkd):
+    """A bool key pytest reads as False when unset would override forkd.yaml: unset stays unset."""
+    pytester.makefile(".yaml", forkd="settings:\n  pool_prefill: true\n  pool: 3\n")
+    pytester.makeconftest(
+        "def pytest_report_header(config):\n"
+        "    from pytest_forkd.plugin.state import run_state\n"
+        "    s = run_state(config).settings\n"
+        "    return [f'resolved: pool={s.pool!r} prefill={s.pool_prefill!r}']\n"
+    )
+    pytester.makepyfile("def test_plain(): pass")
+    result = run_forkd()
+    result.stdout.fnmatch_lines(["resolved: pool=3 prefill=True"])
+
+
+PROGRESS_SUITE = """
+from pytest_forkd.plugin.progress import progress_printer
+
+def test_one(): pass
+
+def test_two(request):
+    progress = progress_printer(request.config)
+    print("captured output stays captured")
+    progress("forkd: building snapshot 'web' from 'base' (1 setup command)...")
+    progress("forkd: built snapshot 'web' in 0.1 s")
+
+def test_three(): pass
+"""
+
+
+def test_progress_lines_keep_clear_of_the_progress_line(pytester, run_forkd):
+    pytester.makepyfile(test_suite=PROGRESS_SUITE)
+    result = run_forkd()
+    result.assert_outcomes(passed=3)
+    lines = result.outlines
+    start = lines.index("forkd: building snapshot 'web' from 'base' (1 setup command)...")
+    assert lines[start - 1] == "test_suite.py ."  # pytest's line so far, ended before the progress
+    assert lines[start + 1] == "forkd: built snapshot 'web' in 0.1 s"
+    assert re.fullmatch(r"test_suite\.py \.\. +\[100%\]", lines[start + 2]), lines[start + 2]
+    assert "captured output stays captured" not in result.stdout.str()
+
+
+def test_progress_lines_keep_clear_of_quiet_dots(pytester, run_forkd):
+    pytester.makepyfile(test_suite=PROGRESS_SUITE)
+    result = run_forkd("-q")
+    lines = result.outlines
+    start = lines.index("forkd: building snapshot 'web' from 'base' (1 setup command)...")
+    assert lines[start - 1] == "."
+    assert re.fullmatch(r"\.\. +\[100%\]", lines[start + 2]), lines[start + 2]
+
+
+def test_xdist_workers_print_no_progress(pytester, run_forkd):
+    pytester.makepyfile(test_suite=PROGRESS_SUITE)
+    result = run_forkd("-p", "xdist", "-n", "2")
+    result.assert_outcomes(passed=3)
+    assert "forkd: building snapshot" not in result.stdout.str() + result.stderr.str()
+
+
+def test_the_html_report_of_a_run_without_vms(pytester, run_forkd):
+    pytester.makepyfile(
+        "import time\n\ndef test_quick(): pass\n\ndef test_slow():\n    time.sleep(0.3)\n\n"
+        "def test_broken():\n    assert False\n"
+    )
+    result = run_forkd("--forkd-report=reports/run.html")
+    result.assert_outcomes(passed=2, failed=1)
+    page = (pytester.path / "reports" / "run.html").read_text(encoding="utf-8")
+    result.stdout.fnmatch_lines([f"forkd: HTML report written to {pytester.path / 'reports' / 'run.html'}"])
+    assert "No forkd operation was timed in this run." in page
+    slowest = page[page.index("id='slowest'") :]
+    assert slowest.index("test_slow") < slowest.index("test_quick")
+    assert "1 failed, 2 passed" in page
+
+
+def test_the_html_report_under_xdist_is_written_once_by_the_controller(pytester, run_forkd):
+    pytester.makepyfile("\n".join(f"def test_{index}(): pass\n" for index in range(6)))
+    result = run_forkd("-p", "xdist", "-n", "2", "--forkd-report=run.html")
+    result.assert_outcomes(passed=6)
+    page = (pytester.path / "run.html").read_text(encoding="utf-8")
+    assert "6 passed" in page
+    assert sorted(path.name for path in pytester.path.iterdir() if path.suffix == ".html") == ["run.html"]
+
+
+def test_an_unwritable_report_path_is_one_usage_line(pytester, run_forkd):
+    (pytester.path / "taken").mkdir()
+    pytester.makepyfile("def test_plain(): pass")
+    result = run_forkd("--forkd-report=taken")
+    assert_one_usage_line(result, r"--forkd-report taken: it is a directory; name a file")
+
+
+def test_an_unknown_snapshot_behind_a_marker_is_one_usage_line(pytester, run_forkd, tmp_path):
+    pytester.makepyfile("import pytest\n\n@pytest.mark.forkd(snapshot='nosuch')\ndef test_x(forkd_vm):\n    pass\n")
+    result = run_forkd(store=tmp_path)
+    assert_one_usage_line(result, r"unknown snapshot 'nosuch'", r"Declare 'nosuch' under `snapshots:`")
