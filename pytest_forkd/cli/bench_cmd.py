@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "manifest_cold_ms and changes_ms (a 20,000-file tree), "
         "copy_reference_mib_s and a branch pause/total per (backend, memory, dirty MiB); "
         "uffd_pause_ms and uffd_growth_ratio, diff_pause_* over successive branches, "
-        "child_pss_mib and parent_pss_mib, guest_python_slowdown (select with --parts). "
+        "child_pss_mib and parent_pss_mib, guest_python_slowdown, cpu_per_child_ms (QEMU CPU per phase "
+        "of 12 serial fork(1)), tcg_translation and first_command_tax (select with --parts). "
         "Each figure is {n, min, p50, p95, max}.",
     )
     p.add_argument(
@@ -101,7 +102,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="what to measure (default: all): core (boots, forks, execs, branch table), uffd (live "
         "branch pause at the smallest and largest --memory), diff (pause over --diff-branches "
         "successive branches), memory (PSS of idle children and a parent), speed (guest Python "
-        "loop vs host)",
+        "loop vs host), cpu (QEMU CPU per child by phase, TCG translation, first-command tax)",
     )
     p.add_argument(
         "--diff-branches",
@@ -161,6 +162,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "pooled child is made ready for every test before the first; that wait is reported as "
         "overhead_suite.pool_prefill)",
     )
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="instead: measure the figures that compare hosts (host, accelerator, QEMU, kernel; fork, "
+        "pooled fork, restore phases, fork(N), branch pauses, CPU per child, first-command tax, PSS) and "
+        "write DIR/forkd-report.json and DIR/forkd-report.md",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="with --report: fewer samples per figure, a few minutes on a 2-core TCG host",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the JSON to PATH")
     p.set_defaults(run=run)
 
@@ -170,6 +185,12 @@ def _progress(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quick and args.report is None:
+        from pytest_forkd.errors import ConfigError
+
+        raise ConfigError("--quick only applies to --report DIR: add --report DIR (e.g. --report forkd-report)")
+    if args.report is not None:
+        return _report(args)
     if args.startup:
         from pytest_forkd.cli.startup_bench import startup_samples
 
@@ -227,4 +248,18 @@ def run(args: argparse.Namespace) -> int:
             _progress(f"wrote {plot_sweep(result, args.plot)}")
         except ImportError:
             _progress("matplotlib is not installed: no plot (pip install 'pytest-forkd[plot]'); the JSON is written")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pytest_forkd.cli.bench.report import ReportPlan, run_report, write_report
+
+    if args.report.exists() and not args.report.is_dir():
+        from pytest_forkd.errors import ConfigError
+
+        raise ConfigError(f"--report {args.report}: not a directory; give a directory to write the report into")
+    result = run_report(ReportPlan(quick=args.quick, accel=args.accel), progress=_progress)
+    json_path, markdown_path = write_report(args.report, result)
+    print(markdown_path.read_text())
+    _progress(f"wrote {json_path} and {markdown_path}")
     return 0

@@ -224,6 +224,15 @@ class Machine(Protocol):
 
     def crash_error(self, what: str) -> GuestCrashed: ...
 
+    def translation_stats(self) -> dict[str, int]:
+        """The VMM's code-translation state (binary translation only; empty under hardware virtualisation).
+
+        Keys: ``tb_count`` (translated blocks alive), ``gen_code_bytes``
+        (host code generated for them), ``tb_flushes`` and
+        ``tb_invalidations`` (how often translated code was thrown away).
+        """
+        ...
+
     def kill(self, *, remove_files: bool = True) -> None:
         """Stop the VMM process and remove its sockets and logs (and its RAM file when owned). Idempotent."""
 

@@ -2,7 +2,7 @@
 
 A fake machine is two real things and no emulation:
 
-* its **guest** is the real agent (``guest/agent.py`` next to ``wire.py``, as
+* its **guest** is the real agent (``guest/agent/`` package next to ``wire.py``, as
   in an image) run on the host as a child process in ``--stdio`` mode, with the
   agent channel a socketpair: every request goes through the real wire
   protocol and the real client. The guest's "filesystem" is a private
@@ -53,15 +53,15 @@ from pytest_forkd.engine.network import NetworkError, NetworkSpec
 from pytest_forkd.engine.rundir import private_open
 from pytest_forkd.engine.spawner import spawn
 from pytest_forkd.errors import GuestCrashed, InvalidArgument
+from pytest_forkd.guest import GUEST_DIR, agent_files
 
-#: The agent and the protocol module it imports, run as a script like in the guest.
-GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
-AGENT_SCRIPT = GUEST_DIR / "agent.py"
+#: The agent package, run from beside the protocol module it imports, like in the guest.
+AGENT_SCRIPT = GUEST_DIR / "agent"
 #: Header of the guest directory's image in memory: magic, then the tar stream's length.
 MEMORY_MAGIC = b"FORKDFAKEMEM\x00\x00\x00\x01"
 _HEADER = struct.Struct("<16sQ")
 STATE_FORMAT = "forkd-fake-device-state/1"
-#: Runs the agent script as its ``__main__`` after making it a child subreaper: commands it starts in
+#: Runs the agent package as ``__main__`` after making it a child subreaper: commands it starts in
 #: their own sessions, and what they leave running in the background, stay its descendants, so pausing
 #: and killing the machine reach them (a QEMU guest's processes die with QEMU).
 LAUNCHER = (
@@ -75,8 +75,8 @@ NO_NETWORK = "the fake engine has no network card; use the qemu engine for netwo
 
 def _guest_key() -> str:
     digest = hashlib.sha256()
-    for name in ("agent.py", "wire.py"):
-        digest.update((GUEST_DIR / name).read_bytes())
+    for name, path in agent_files().items():
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return "fake-" + digest.hexdigest()[:16]
 
 
@@ -348,6 +348,10 @@ class FakeMachine:
 
     def move_forward(self, from_port: int, to_port: int, guest_port: int) -> bool:
         raise NetworkError(NO_NETWORK)
+
+    def translation_stats(self) -> dict[str, int]:
+        """The fake machine translates nothing."""
+        return {}
 
     def console_tail(self, lines: int = 40) -> str:
         try:

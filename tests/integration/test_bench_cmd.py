@@ -141,3 +141,51 @@ def test_sweep_writes_json_and_a_png_of_every_backend_that_works_here(tmp_path: 
     assert [row["memory_mib"] for row in document["fork"]] == [256]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.stat().st_size > 10_000
+
+
+def test_bench_report_quick_writes_json_and_markdown_with_cpu_per_child(tmp_path: Path) -> None:
+    """`forkd bench --report DIR --quick`: every group of figures, CPU per child by phase, the Markdown of it."""
+    result = run_forkd("bench", "--report", str(tmp_path / "report"), "--quick")
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "report" / "forkd-report.json").read_text())
+    markdown = (tmp_path / "report" / "forkd-report.md").read_text()
+    assert result.stdout.strip() == markdown.strip()
+    conditions = report["conditions"]
+    assert conditions["quick"] is True and conditions["accel"] in ("kvm", "tcg") and conditions["qemu"]
+    assert f"# forkd bench report: {conditions['accel'].upper()}" in markdown
+    assert_figure(report["cold_boot_ms"], 1)
+    assert_figure(report["fork_ms"], 3)
+    assert_figure(report["fork_pooled_ms"], 3)
+    assert report["fork10_parallel_speedup"] > 0
+    cpu = report["cpu_per_child_ms"]
+    for name in ("qemu_start", "device_state", "first_reply", "first_command", "teardown", "to_first_true"):
+        assert cpu[name]["n"] == 12 and cpu[name]["min"] >= 0, name
+    assert cpu["qemu_start"]["min"] > 0 and cpu["first_reply"]["min"] > 0
+    parts = sum(cpu[name]["mean"] for name in ("qemu_start", "memory", "device_state", "first_reply", "forwards"))
+    assert cpu["to_first_true"]["mean"] == pytest.approx(parts + cpu["first_command"]["mean"], rel=0.01)
+    assert set(report["restore_phases_ms"]["cpu_ms"]) >= {"qemu_start_ms", "device_state_ms", "first_reply_ms"}
+    if conditions["accel"] == "tcg":  # every child translates the guest code it runs
+        assert report["tcg_translation"]["tb_count"]["min"] > 1000
+    else:
+        assert "tcg_translation" not in report
+    tax = report["first_command_tax"]
+    assert tax["first_ms"]["n"] == 2 and tax["warm_ms"]["n"] == 2
+    assert_figure(report["diff_pause_ms"], 10)
+    assert report["child_pss_mib"] > 0
+    if registry().get("uffd").unavailable_reason() is None:
+        assert set(report["uffd_pause_figures"]) == {"256", "1024"} and report["uffd_growth_ratio"] > 0
+    for heading in ("## Forks", "## CPU per child", "## Branch pauses", "## Memory"):
+        assert heading in markdown
+
+
+def test_bench_cpu_part_reports_qemu_cpu_per_child_by_phase() -> None:
+    result = run_forkd("bench", "--memory", "256", "--parts", "cpu", "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed["conditions"]["parts"] == ["cpu"] and "fork_ms" not in printed
+    cpu = printed["cpu_per_child_ms"]
+    assert cpu["to_first_true"]["n"] == 12
+    assert cpu["qemu_start"]["mean"] + cpu["first_reply"]["mean"] < cpu["to_first_true"]["mean"]
+    assert cpu["warm_command"]["n"] == 12 and cpu["teardown"]["n"] == 12
+    assert printed["cpu_per_child_conditions"]["children"] == 12
+    assert printed["first_command_tax"]["command"] == "python3 -c 'import json, subprocess'"

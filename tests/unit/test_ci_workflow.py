@@ -180,3 +180,19 @@ def test_the_budgets_the_workflow_relies_on_exist_in_forkd_yaml() -> None:
     assert {"fork", "exec"} <= set(budgets)
     # Set for TCG on a busy host (exec p95 reached 3.1 s there, with cold Python starts in the guest).
     assert budgets["fork"]["p95_ms"] >= 5000 and budgets["exec"]["p95_ms"] >= 10000
+
+
+def test_the_host_report_runs_quick_after_the_accelerator_probe_and_is_uploaded(job: dict) -> None:
+    """`forkd bench --report DIR --quick` on the runner's own accelerator, its DIR uploaded per accelerator."""
+    names = [s.get("name", "") for s in job["steps"]]
+    report_step = step(job, "Bench report of this runner")
+    assert names.index(report_step["name"]) > names.index(step(job, "find the accelerator")["name"])
+    (command,) = command_words(report_step["run"])
+    assert command[:2] == [".venv/bin/forkd", "bench"]
+    args = build_parser().parse_args(command[1:])
+    assert args.report is not None and args.quick is True
+    assert args.accel == "auto", "the report measures the accelerator the runner really has"
+    uploads = {s["with"]["name"]: s for s in uses(job, "actions/upload-artifact")}
+    upload = uploads["forkd-bench-report-${{ steps.accel.outputs.accel }}"]
+    assert upload["with"]["path"] == str(args.report)
+    assert upload["if"] == "always()"

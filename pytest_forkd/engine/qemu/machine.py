@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import re
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -25,11 +26,20 @@ from pytest_forkd.engine.qemu import network as net
 from pytest_forkd.engine.qemu.host import Qemu, tsc_khz, version_tuple
 from pytest_forkd.engine.qemu.qmp import QMPClient, QMPConnectionError, QMPError
 from pytest_forkd.engine.rundir import PRIVATE_UMASK, private_listener, private_open
+from pytest_forkd.engine.space import exit_text
 from pytest_forkd.engine.spawner import spawn
 from pytest_forkd.errors import BackendError, GuestCrashed, SnapshotError, VMStartError, WaitTimeout
 from pytest_forkd.waiting import poll_until
 
 CONSOLE_TAIL_LINES = 40
+#: ``info jit`` lines read by :meth:`Machine.translation_stats`, and the key each becomes.
+_JIT_FIGURES = {
+    "gen code size": "gen_code_bytes",
+    "TB count": "tb_count",
+    "TB flush count": "tb_flushes",
+    "TB invalidate count": "tb_invalidations",
+}
+_FIRST_NUMBER = re.compile(r"\s+(\d+)")
 _loader_counter = itertools.count(1)
 # The CPU model under TCG: a fixed one, so parents and children (and snapshots
 # taken on another QEMU) agree, and one that boots on QEMU 7.2 through 10.x.
@@ -234,8 +244,8 @@ class Machine:
             os.close(stderr)
         qmp = None
         try:
-            qmp = _connect_qmp(process, qmp_path, stderr_path, start_timeout)
-            agent_sock = _accept_agent(process, listener, stderr_path, max(1.0, start_timeout))
+            qmp = _connect_qmp(process, qmp_path, stderr_path, start_timeout, ram_path)
+            agent_sock = _accept_agent(process, listener, stderr_path, max(1.0, start_timeout), ram_path)
             agent_sock.settimeout(None)
         except BaseException:
             if qmp is not None:
@@ -463,11 +473,26 @@ class Machine:
         """What QEMU itself printed (errors about its arguments, migration streams...)."""
         return tail_of(self.stderr_path, lines)
 
+    def translation_stats(self) -> dict[str, int]:
+        """TCG's translation state from HMP ``info jit``; empty under KVM or when QEMU cannot say."""
+        try:
+            text = str(self.qmp.execute("human-monitor-command", {"command-line": "info jit"}) or "")
+        except (QMPError, QMPConnectionError, OSError):
+            return {}
+        stats: dict[str, int] = {}
+        for line in text.splitlines():
+            for label, key in _JIT_FIGURES.items():
+                if line.startswith(label):
+                    number = _FIRST_NUMBER.match(line[len(label) :])
+                    if number is not None:
+                        stats[key] = int(number.group(1))
+        return stats
+
     def crash_error(self, what: str) -> GuestCrashed:
         """A GuestCrashed describing how this machine ended, with the console tail."""
         try:
             code = self.process.wait(timeout=2)
-            how = f"QEMU exited with status {code}"
+            how = f"QEMU exited with {exit_text(code, self.ram_path)}"
         except subprocess.TimeoutExpired:
             how = "the guest stopped answering"
         stderr = tail_of(self.stderr_path, 5)
@@ -535,14 +560,18 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
 
 
 def _accept_agent(
-    process: subprocess.Popen[bytes], listener: socket.socket, stderr_path: Path, timeout: float
+    process: subprocess.Popen[bytes],
+    listener: socket.socket,
+    stderr_path: Path,
+    timeout: float,
+    ram_path: Path | None = None,
 ) -> socket.socket:
     """Accept QEMU's agent-channel connection, noticing at once when QEMU exits instead."""
 
     def attempt() -> socket.socket:
         if process.poll() is not None:
             raise VMStartError(
-                f"QEMU exited with status {process.returncode} before connecting the agent channel: "
+                f"QEMU exited with {exit_text(process.returncode, ram_path)} before connecting the agent channel: "
                 f"{tail_of(stderr_path, 10) or 'no output'}"
             )
         connection, _ = listener.accept()
@@ -564,7 +593,9 @@ def _accept_agent(
 _STARTUP_TRANSPORT_ERRORS = (QMPConnectionError, OSError, ValueError)
 
 
-def _connect_qmp(process: subprocess.Popen[bytes], path: Path, stderr_path: Path, timeout: float) -> QMPClient:
+def _connect_qmp(
+    process: subprocess.Popen[bytes], path: Path, stderr_path: Path, timeout: float, ram_path: Path | None = None
+) -> QMPClient:
     """Wait (bounded, poll_until) for QEMU's QMP socket and connect to it.
 
     Any transport failure while QEMU starts is retried: a socket that is not
@@ -576,7 +607,8 @@ def _connect_qmp(process: subprocess.Popen[bytes], path: Path, stderr_path: Path
 
     def exited() -> VMStartError:
         return VMStartError(
-            f"QEMU exited with status {process.returncode} while starting: {tail_of(stderr_path, 10) or 'no output'}"
+            f"QEMU exited with {exit_text(process.returncode, ram_path)} while starting: "
+            f"{tail_of(stderr_path, 10) or 'no output'}"
         )
 
     def attempt() -> QMPClient:

@@ -1,0 +1,34 @@
+"""The terminal summary's CPU bound, from real runs: in one process and across xdist workers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+SUITE = """
+import pytest
+
+@pytest.mark.parametrize("n", range(4))
+def test_vm(forkd_vm, n):
+    assert forkd_vm.exec("echo ok").stdout == "ok\\n"
+"""
+
+LINE = re.compile(
+    r"CPU bound: pytest and its VMs used (?P<cpu>[\d.]+) s of CPU on (?P<cores>\d+) cores?, so the run needed at "
+    r"least (?P<bound>[\d.]+) s; it took (?P<wall>[\d.]+) s \((?P<ratio>[\d.]+)x the bound;"
+)
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one-process", "xdist"])
+def test_the_summary_reports_the_runs_cpu_bound(pytester, run_forkd, workers: list[str]) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    result = run_forkd(*workers)
+    result.assert_outcomes(passed=4)
+    (match,) = [m for m in map(LINE.search, result.stdout.lines) if m]
+    cpu, cores, bound, wall = (float(match[name]) for name in ("cpu", "cores", "bound", "wall"))
+    # Four children restored and a snapshot built or restored: each costs QEMU CPU, which the run must count.
+    assert cpu >= 0.5 and cores >= 1
+    assert bound == pytest.approx(cpu / cores, abs=0.06)
+    assert float(match["ratio"]) == pytest.approx(wall / bound, rel=0.05, abs=0.01)
+    assert wall >= bound * 0.9  # a run cannot be faster than its CPU spread over every core (rounding aside)
