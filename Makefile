@@ -1,4 +1,4 @@
-# The commands in README.md: `make example`, `make example-port` and `make test`; `make lint` is what CI adds.
+# The commands in README.md: `make example`, `make example-port` and `make test`; `make lint` and `make docs` are what CI adds.
 # Both run the idempotent set-up first (system packages, virtualenv, guest image).
 VENV ?= .venv
 PYTEST_ARGS ?=
@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 TESTS ?= tests
 TEST_WORKERS ?= 2
 
-.PHONY: setup example example-port test lint bench clean-cache
+.PHONY: setup example example-port test lint bench clean-cache docs
 
 setup:
 	@scripts/setup.sh
@@ -29,6 +29,14 @@ lint: setup
 	echo "lint: ruff format --check"; $(VENV)/bin/ruff format --check . || status=1; \
 	echo "lint: mypy --strict"; $(VENV)/bin/mypy --strict || status=1; \
 	exit $$status
+
+# The documentation site (mkdocs.yml) into site/, in strict mode: a broken link, anchor or reference fails.
+# Needs only the virtualenv (set up first if missing) and the docs extra (installed if missing), not QEMU.
+docs:
+	@test -x $(VENV)/bin/pip || scripts/setup.sh
+	@$(VENV)/bin/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null \
+		|| $(VENV)/bin/pip install -q --disable-pip-version-check -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: setup
 	$(VENV)/bin/forkd bench

@@ -9,7 +9,8 @@ imports pytest and waits (zygote.py): every test then gets a copy-on-write
 child of that warm parent, where that process runs one of the project's
 test modules at once, without importing pytest again.
 
-To port your own project, see "Porting a project's test suite" in README.md.
+To port your own project, see the guide "Porting a project's tests" in the documentation
+(https://pytest-forkd.readthedocs.io/en/latest/guides/porting/).
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from typing import Sequence
 
 from pytest_forkd.errors import ForkdError
+from pytest_forkd.version import __version__
 
 COMMAND_MODULES = ("image", "exec", "shell", "cp", "doctor", "snapshots", "bench", "compare", "merge", "bisect")
 
@@ -34,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug",
         action="store_true",
         help=f"print the traceback of an error, not just its one line (also {DEBUG_ENV}=1)",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"forkd (pytest-forkd) {__version__}", help="print the version and exit"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
@@ -62,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     parser = build_parser()
     args = parser.parse_args(words)
+    from pytest_forkd.engine import cancel
+
+    cancel.install()  # SIGTERM and SIGHUP stop a command as Ctrl-C does: its VMs killed, nothing half-written
+    warnings.formatwarning = _one_line_warning
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
@@ -75,6 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"forkd: error: {error_line(exc, debug=debug)}", file=sys.stderr)
         return 2
+
+
+def _one_line_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """Warnings as the command line prints them: ``forkd: warning: ...``, without the source line."""
+    return f"forkd: warning: {message}\n"
 
 
 def error_line(exc: BaseException, *, debug: bool = False) -> str:
