@@ -188,10 +188,11 @@ def test_the_cli_prints_a_startup_error_without_a_traceback(tmp_path: Path) -> N
         text=True,
         cwd=tmp_path,
         timeout=120,
+        env={**os.environ, "COLUMNS": "1000"},  # one line per message, however long the path
     )  # fmt: skip
     output = completed.stdout + completed.stderr
     assert completed.returncode != 0
-    words = " ".join(output.split())  # the console wraps long lines
+    words = " ".join(output.split())
     assert "forkd sandbox: " in words and "missing.yaml: no such forkd.yaml" in words, output
     assert "Traceback" not in output
 
