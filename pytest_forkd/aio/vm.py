@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from pytest_forkd.core.changes import Changes
     from pytest_forkd.core.checkpoint import Checkpoint
     from pytest_forkd.core.copy import CopyResult
-    from pytest_forkd.core.factory import VMFactory
+    from pytest_forkd.core.handles import VMOwner
     from pytest_forkd.core.process import GuestProcess
     from pytest_forkd.core.transcript import Transcript
     from pytest_forkd.core.vm import VM
@@ -222,7 +222,7 @@ class AsyncVM(_AsyncContext):
         return self._vm.agent
 
     @property
-    def factory(self) -> VMFactory:
+    def factory(self) -> VMOwner:
         """``VM.factory``: the factory that started the VM (blocking API)."""
         return self._vm.factory
 
@@ -349,7 +349,7 @@ class AsyncVM(_AsyncContext):
 
     async def changes(
         self,
-        since: AsyncCheckpoint | AsyncSnapshot | Checkpoint | Snapshot | None = None,
+        since: AsyncCheckpoint | AsyncSnapshot | Checkpoint[VM] | Snapshot | None = None,
         *,
         include: Iterable[str] = (),
         exclude: Iterable[str] = (),
@@ -635,13 +635,13 @@ class AsyncCheckpoint(_AsyncContext):
     ``await cp.fork(n)``.
     """
 
-    def __init__(self, vm: AsyncVM, checkpoint: Checkpoint) -> None:
+    def __init__(self, vm: AsyncVM, checkpoint: Checkpoint[VM]) -> None:
         self.vm = vm
         self._checkpoint = checkpoint
         self.snapshot = AsyncSnapshot(checkpoint.snapshot, loop=vm._guard.loop)
 
     @property
-    def sync(self) -> Checkpoint:
+    def sync(self) -> Checkpoint[VM]:
         return self._checkpoint
 
     @property

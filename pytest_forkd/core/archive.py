@@ -51,7 +51,6 @@ from typing import IO, Any, Final
 from filelock import FileLock
 
 from pytest_forkd import paths, private
-from pytest_forkd.core.factory import default_factory
 from pytest_forkd.engine import memory, space
 from pytest_forkd.engine.cpu import host_cpu, host_cpu_id
 from pytest_forkd.engine.qemu.host import Qemu, find_qemu, tsc_khz
@@ -287,31 +286,6 @@ def _machine_of(snapshot: Snapshot, kernel_args: tuple[str, ...]) -> dict[str, A
 # --- import ----------------------------------------------------------------------------------------------
 
 
-def import_snapshot(
-    path: Path | str,
-    *,
-    store: SnapshotStore | Path | str | None = None,
-    replace: bool = False,
-    name: str | None = None,
-    project: Path | str | None = None,
-) -> Snapshot:
-    """Import the archive ``path`` into ``store`` (default: the persistent store) and return the snapshot.
-
-    Refuses an existing snapshot of the same name unless ``replace``;
-    ``name`` imports it under another name. A snapshot that belonged to a
-    project (declared in its forkd.yaml) goes into the namespace of
-    ``project`` (default: the project around the working directory), as a
-    run there looks it up; a shared one (``base``) into the store itself.
-    The record is attached to the process-wide factory behind
-    :func:`pytest_forkd.boot`, so ``import_snapshot(path).fork()`` starts
-    children at once (close them when done). See
-    :func:`import_archive`.
-    """
-    info = import_archive(path, store=store, replace=replace, name=name, project=project)
-    assert info.snapshot is not None
-    return info.snapshot.with_owner(default_factory())
-
-
 def import_archive(
     path: Path | str,
     *,
@@ -327,7 +301,7 @@ def import_archive(
     project (declared in its forkd.yaml) goes into the namespace of
     ``project`` (default: the project around the working directory), as a
     run there looks it up; a shared one (``base``) into the store itself.
-    :func:`import_snapshot` is this plus the factory to fork from.
+    :func:`pytest_forkd.import_snapshot` is this plus the factory to fork from.
     """
     started = time.perf_counter()
     path = Path(path)

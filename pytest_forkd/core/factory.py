@@ -311,13 +311,23 @@ class VMFactory:
             self._vms.add(vm)
         return vm
 
+    # -- snapshots ----------------------------------------------------------------
+    def export_snapshot(self, snapshot: Snapshot, destination: Path | str) -> Path:
+        """Write ``snapshot`` and its image into the archive ``destination`` (see :meth:`Snapshot.export`)."""
+        from pytest_forkd.core.archive import export_snapshot
+
+        return export_snapshot(snapshot, destination).path
+
     # -- children of snapshots ----------------------------------------------------
     def _child_plan(self, snapshot: Snapshot) -> tuple[Snapshot, Any, Any, SnapshotStore]:
         if not snapshot.is_ready:
             snapshot = snapshot.wait_ready()
-        SnapshotStore(snapshot.path.parent, clean=False).check_restorable(snapshot)
-        snapshot = self._mappable(snapshot)
         store = SnapshotStore(snapshot.path.parent, clean=False)
+        store.check_restorable(snapshot)
+        mappable = self._mappable(snapshot)
+        if mappable.path.parent != snapshot.path.parent:  # restored from a local copy: its own store
+            store = SnapshotStore(mappable.path.parent, clean=False)
+        snapshot = mappable
         image = self._image_of(snapshot)
         spec = self.machine_spec(
             image,
@@ -696,3 +706,30 @@ def boot(
     validate.vcpus(vcpus)
     network_spec(network)
     return default_factory(accel).boot(image, memory_mib=memory_mib, vcpus=vcpus, network=network)
+
+
+def import_snapshot(
+    path: Path | str,
+    *,
+    store: SnapshotStore | Path | str | None = None,
+    replace: bool = False,
+    name: str | None = None,
+    project: Path | str | None = None,
+) -> Snapshot:
+    """Import the archive ``path`` into ``store`` (default: the persistent store) and return the snapshot.
+
+    Refuses an existing snapshot of the same name unless ``replace``;
+    ``name`` imports it under another name. A snapshot that belonged to a
+    project (declared in its forkd.yaml) goes into the namespace of
+    ``project`` (default: the project around the working directory), as a
+    run there looks it up; a shared one (``base``) into the store itself.
+    The record is attached to the process-wide factory behind
+    :func:`pytest_forkd.boot`, so ``import_snapshot(path).fork()`` starts
+    children at once (close them when done). See
+    :func:`pytest_forkd.core.archive.import_archive`.
+    """
+    from pytest_forkd.core.archive import import_archive
+
+    info = import_archive(path, store=store, replace=replace, name=name, project=project)
+    assert info.snapshot is not None
+    return info.snapshot.with_owner(default_factory())

@@ -21,6 +21,7 @@ from pytest_forkd.core import validate
 from pytest_forkd.core.branching import _auto_tag, branch, freeze
 from pytest_forkd.core.changes import changes_since, record_manifest
 from pytest_forkd.core.checkpoint import Checkpoint
+from pytest_forkd.core.handles import VMOwner
 from pytest_forkd.core.process import GuestProcess, output_bounds
 from pytest_forkd.core.transcript import Transcript
 from pytest_forkd.engine.network import (
@@ -43,7 +44,6 @@ from pytest_forkd.waiting import poll_until
 if TYPE_CHECKING:
     from pytest_forkd.core.changes import Changes
     from pytest_forkd.core.copy import CopyResult
-    from pytest_forkd.core.factory import VMFactory
     from pytest_forkd.engine.base import Machine
     from pytest_forkd.image import Image
     from pytest_forkd.storage.snapshot import Snapshot
@@ -62,7 +62,7 @@ class VM:
         machine: "Machine",
         agent: AgentClient,
         *,
-        factory: "VMFactory",
+        factory: VMOwner,
         image: "Image",
         origin: "Snapshot | None" = None,
         memory_base: "Snapshot | None" = None,
@@ -105,7 +105,7 @@ class VM:
         return memory_mib
 
     @property
-    def factory(self) -> "VMFactory":
+    def factory(self) -> VMOwner:
         return self._factory
 
     @property
@@ -490,7 +490,11 @@ class VM:
         return result
 
     def changes(
-        self, since: "Checkpoint | Snapshot | None" = None, *, include: Iterable[str] = (), exclude: Iterable[str] = ()
+        self,
+        since: "Checkpoint[VM] | Snapshot | None" = None,
+        *,
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
     ) -> "Changes":
         """What changed in the guest's filesystem since a checkpoint or snapshot (default: ``origin``).
 
@@ -632,7 +636,9 @@ class VM:
         self._ensure_open("restoring a snapshot")
         self._factory.restore_into(self, snapshot)
 
-    def checkpoint(self, tag: str | None = None, *, backend: str | None = None, manifest: bool = False) -> "Checkpoint":
+    def checkpoint(
+        self, tag: str | None = None, *, backend: str | None = None, manifest: bool = False
+    ) -> "Checkpoint[VM]":
         """Snapshot this VM before something destructive; a context manager that rolls back on exit.
 
         A checkpoint costs a branch pause of a few milliseconds. With

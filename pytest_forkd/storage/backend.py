@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import pluggy
 
 from pytest_forkd.errors import BackendError
+from pytest_forkd.storage.store import resolve_base as resolve_base  # where backends find it
 
 if TYPE_CHECKING:
     from pytest_forkd.engine.base import Capabilities, ImageLike, Machine
@@ -166,29 +167,6 @@ class StorageBackend:
                 reason = self.unavailable_reason()  # the backend's own host check
         if reason:
             raise BackendError(f"storage backend {self.id!r} is unavailable on this host: {reason}")
-
-
-def resolve_base(snapshot: "Snapshot", store: "SnapshotStore") -> "Snapshot":
-    """The snapshot whose flat memory ``snapshot``'s diff applies to.
-
-    A session's checkpoints live in a store on /dev/shm while their base may be
-    a persistent snapshot in the user cache, so the base's directory is kept
-    in ``extra["base_dir"]`` and used when the store does not hold the tag.
-    """
-    from pytest_forkd.storage.snapshot import Snapshot
-
-    if snapshot.base is None:
-        raise BackendError(f"snapshot {snapshot.tag!r} has neither a memory file nor a base")
-    if store.exists(snapshot.base):
-        return store.get(snapshot.base)
-    base_dir = snapshot.extra.get("base_dir")
-    if base_dir and Path(base_dir).is_dir():
-        return Snapshot.load_from(Path(base_dir))
-    raise BackendError(
-        f"base {snapshot.base!r} of snapshot {snapshot.tag!r} is gone (not in {store.root}"
-        + (f" nor at {base_dir}" if base_dir else "")
-        + "); take the snapshot again"
-    )
 
 
 STATE_FILE = "state.bin"

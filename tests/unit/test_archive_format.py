@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_forkd import import_snapshot
 from pytest_forkd.cli import main
 from pytest_forkd.core import archive
-from pytest_forkd.core.archive import import_snapshot
 from pytest_forkd.engine.qemu.host import Qemu
 from pytest_forkd.engine.qemu.machine import MachineSpec
 from pytest_forkd.errors import ArchiveError, HostNotReady, IncompatibleSnapshot, SnapshotError
@@ -81,7 +81,7 @@ def sha256(path: Path) -> str:
 def exported(cache: Path, tmp_path: Path) -> tuple[Snapshot, Path]:
     snapshot = make_snapshot(SnapshotStore(tmp_path / "origin"))
     path = tmp_path / "snap.forkd.tar.zst"
-    snapshot.export(path)
+    archive.export_snapshot(snapshot, path)
     return snapshot, path
 
 
@@ -280,7 +280,7 @@ def test_a_diff_snapshot_is_exported_flat(cache: Path, tmp_path: Path) -> None:
         )
     path = tmp_path / "child.forkd.tar.zst"
 
-    child.export(path)
+    archive.export_snapshot(child, path)
     imported = import_snapshot(path, store=tmp_path / "target")
 
     data = imported.memory_path.read_bytes()
@@ -298,7 +298,7 @@ def test_an_export_needs_the_snapshots_image(cache: Path, tmp_path: Path) -> Non
     (cache / "images" / KEY).rmdir()
 
     with pytest.raises(ArchiveError, match=f"needs image {KEY}, which is not in"):
-        snapshot.export(tmp_path / "x.forkd.tar.zst")
+        archive.export_snapshot(snapshot, tmp_path / "x.forkd.tar.zst")
     assert not list(tmp_path.glob("*x.forkd.tar.zst*"))
 
 
@@ -400,8 +400,8 @@ def test_a_projects_snapshot_is_imported_into_the_importing_projects_namespace(
     own = make_snapshot(lifecycle.project_store(tmp_path / "origin-store", origin_project), "tools")
     shared = make_snapshot(SnapshotStore(tmp_path / "origin-store"), "base")
     own_archive, shared_archive = tmp_path / "tools.forkd.tar.zst", tmp_path / "base.forkd.tar.zst"
-    own.export(own_archive)
-    shared.export(shared_archive)
+    archive.export_snapshot(own, own_archive)
+    archive.export_snapshot(shared, shared_archive)
     root = tmp_path / "target-store"
 
     monkeypatch.chdir(target_project)  # run from the project, as the matrix example does
