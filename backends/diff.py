@@ -142,8 +142,8 @@ class DiffBackend(StorageBackend):
     def _should_rebase(self, source: CaptureSource) -> bool:
         """True when the VM changed more than ``rebase_mib`` since its base (scanned while it runs)."""
         machine = source.machine
-        # Re-basing replaces the RAM mapping of a QEMU process (the engine with a monitor).
-        if self.rebase_mib is None or remote.unsupported_reason() is not None or not hasattr(machine, "qmp"):
+        # Re-basing replaces the RAM mapping inside the VMM process: only engines that allow it.
+        if self.rebase_mib is None or remote.unsupported_reason() is not None or not source.capabilities.memory_remap:
             return False
         layout = machine.memory_layout()
         changed = sum(size for _, size in memory.private_pages(layout.pid, layout.start, layout.length))

@@ -58,11 +58,14 @@ def branch(
     store = store or factory.session_store
     tag = validate_tag(tag) if tag is not None else _auto_tag(vm)  # "" is an error, not "pick one"
     chosen = registry().get(backend or factory.default_backend)
-    chosen.require_available(factory.engine.capabilities())
+    capabilities = factory.engine.capabilities()
+    chosen.require_available(capabilities)
     started = time.perf_counter()
     with store.begin(tag) as pending:
         try:
-            source = CaptureSource(vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30))
+            source = CaptureSource(
+                vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30), capabilities
+            )
             capture = chosen.capture(source, pending.dir)
         except BaseException as exc:
             vm._recover_after_failed_pause()

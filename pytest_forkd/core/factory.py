@@ -35,7 +35,7 @@ from pytest_forkd.core.pool import (
 )
 from pytest_forkd.core.vm import VM
 from pytest_forkd.engine import cancel, space
-from pytest_forkd.engine.base import Engine, EngineError, Machine, make_engine
+from pytest_forkd.engine.base import AcceleratedEngine, Engine, EngineError, Machine, make_engine
 from pytest_forkd.engine.network import NetworkChoice, NetworkSpec, check_card, network_from_record, network_spec
 from pytest_forkd.engine.rundir import RunDir
 from pytest_forkd.errors import ConfigError, HostNotReady, VMStartError
@@ -162,15 +162,10 @@ class VMFactory:
         cancel.install()  # SIGTERM/SIGHUP/SIGINT stop the run cleanly and within seconds (from the main thread)
 
     # -- host facts, resolved lazily and once -------------------------------
-    @property
-    def qemu(self) -> Any:
-        """The QEMU binary of a QEMU engine (its ``binary`` and ``version``)."""
-        return self._qemu_engine("QEMU's binary").qemu
-
-    def _qemu_engine(self, what: str) -> Any:
-        if not hasattr(self.engine, "qemu"):
+    def _accelerated_engine(self) -> AcceleratedEngine:
+        if not isinstance(self.engine, AcceleratedEngine):
             raise ConfigError(
-                f"this VM factory runs the {self.engine.name} engine, which has no {what}; "
+                f"this VM factory runs the {self.engine.name} engine, which has no accelerator choice; "
                 "use VMFactory(engine='qemu') (the default)"
             )
         return self.engine
@@ -193,7 +188,7 @@ class VMFactory:
 
     def accel_verdict(self, image: Any) -> Any:
         """The accelerator the engine chose (KVM or TCG for QEMU), probing it once with a throwaway VM."""
-        return self._qemu_engine("accelerator").accel_verdict(image, self._probe(image))
+        return self._accelerated_engine().accel_verdict(image, self._probe(image))
 
     def machine_spec(self, image: Any, *, memory_mib: int, vcpus: int, network_card: bool = False) -> Any:
         """The machine for ``image`` at this size; checks the size first (no VM has started yet)."""

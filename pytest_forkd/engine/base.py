@@ -82,6 +82,9 @@ class Capabilities:
     """A machine can start paused from a memory file plus a device-state file."""
     network: bool = False
     """Machines can have a network card, with host ports forwarded to guest ports."""
+    memory_remap: bool = False
+    """Guest RAM may be remapped in place in the VMM process while the machine is paused (what re-basing a
+    diff onto a new flat memory file rests on)."""
     memory_file_layout: str = "file"
     """Where guest RAM lives: ``"file"``: one flat file per machine, mapped shared by a booted machine
     and copy-on-write (private) by a restored one, at :meth:`Machine.memory_layout` in process ``pid``."""
@@ -288,6 +291,15 @@ class Engine(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """Facts for benchmark reports and diagnostics (``{"engine": ..., "version": ...}``)."""
+        ...
+
+
+@runtime_checkable
+class AcceleratedEngine(Engine, Protocol):
+    """An engine that chooses between accelerators (hardware virtualisation or binary translation)."""
+
+    def accel_verdict(self, image: Any, probe: ProbeBoot | None = None) -> Any:
+        """The accelerator chosen for this host and why (probing with ``probe`` once when not known yet)."""
         ...
 
 

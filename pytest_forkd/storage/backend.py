@@ -43,11 +43,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pluggy
 
+from pytest_forkd.engine.base import Capabilities
 from pytest_forkd.errors import BackendError
 from pytest_forkd.storage.store import resolve_base as resolve_base  # where backends find it
 
 if TYPE_CHECKING:
-    from pytest_forkd.engine.base import Capabilities, ImageLike, Machine
+    from pytest_forkd.engine.base import ImageLike, Machine
     from pytest_forkd.storage.snapshot import Snapshot
     from pytest_forkd.storage.store import SnapshotStore
 
@@ -82,6 +83,8 @@ class CaptureSource:
     image: "ImageLike"
     ping: Callable[[], object]
     """A round trip to the guest agent: how a live backend measures the pause the guest saw."""
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    """What the engine running the machine can do (a backend asks these instead of probing the machine)."""
 
 
 @dataclass

@@ -58,6 +58,7 @@ class QemuEngine:
             uffd_write_protect=uffd is None,
             incoming_restore=True,
             network=True,
+            memory_remap=True,
             memory_file_layout="file",
             reasons=reasons,
             engine="qemu",
