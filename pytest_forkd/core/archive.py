@@ -131,7 +131,7 @@ def export_snapshot(
     SnapshotStore(snapshot.path.parent, clean=False).check_restorable(snapshot)  # no damaged file leaves
     image_dir = image_directory(image_key)
     image_manifest = read_manifest(image_dir)
-    machine = _machine_of(snapshot, tuple(image_manifest.get("kernel_args", ())))
+    machine = _machine_of(snapshot, tuple(image_manifest.get("kernel_args", ())))  # as recorded, or derived
     with tempfile.TemporaryDirectory(prefix="forkd-export-", dir=_scratch_root(snapshot.memory_mib << 20)) as scratch:
         try:
             files = _snapshot_files(snapshot, Path(scratch))
@@ -245,11 +245,17 @@ def _snapshot_files(snapshot: Snapshot, scratch: Path) -> list[tuple[str, Path, 
 
 
 def _machine_of(snapshot: Snapshot, kernel_args: tuple[str, ...]) -> dict[str, Any]:
-    """QEMU version, machine, CPU model and accelerator the snapshot was taken with.
+    """QEMU version, machine, CPU model, accelerator and arguments the snapshot was taken with.
 
-    The record keeps them as a hash; the machine arguments are found again by
+    A record keeps them (``Snapshot.machine``). Records written before it
+    was kept have only their hash: the machine arguments are found again by
     hashing the candidates (both accelerators) with the recorded QEMU version.
     """
+    if snapshot.machine is not None and {"machine", "cpu_model", "accel", "machine_args"} <= set(snapshot.machine):
+        return {
+            **snapshot.machine,
+            "qemu_version": snapshot.fingerprint.get("qemu", snapshot.machine.get("qemu_version")),
+        }
     recorded = snapshot.fingerprint.get("machine")
     versions = [snapshot.fingerprint.get("qemu")]
     try:

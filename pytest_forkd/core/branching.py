@@ -46,6 +46,7 @@ def _record(vm: VMHandle, tag: str, path: Path, backend: str, **fields: Any) -> 
         state_file=STATE_FILE,
         parent=vm.origin.tag if vm.origin else None,
         network=vm._network_record(),
+        machine=factory.engine.machine_record(vm.machine.spec),
         **fields,
     )
 

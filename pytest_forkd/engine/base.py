@@ -270,6 +270,10 @@ class Engine(Protocol):
         """What a snapshot's children must match (VMM version, machine arguments, image)."""
         ...
 
+    def machine_record(self, spec: Any) -> dict[str, Any]:
+        """The machine of ``spec`` as a snapshot records it (JSON): VMM version, machine, CPU, arguments."""
+        ...
+
     def boot(
         self, spec: Any, image: Any, *, directory: Path, name: str, ram_path: Path, network: NetworkSpec | None = None
     ) -> Machine:

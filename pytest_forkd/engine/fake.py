@@ -154,6 +154,9 @@ class FakeEngine:
     def fingerprint(self, image: Any, spec: FakeSpec) -> dict[str, str]:
         return {"engine": self.name, "machine": spec.fingerprint(), "image": image.key}
 
+    def machine_record(self, spec: FakeSpec) -> dict[str, Any]:
+        return {"engine": self.name, "memory_mib": spec.memory_mib, "vcpus": spec.vcpus}
+
     def boot(
         self,
         spec: FakeSpec,

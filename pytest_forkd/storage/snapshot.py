@@ -51,7 +51,7 @@ STATUSES: tuple[str, ...] = typing.get_args(SnapshotStatus)
 _NOT_SERIALISED = frozenset({"path", "owner"})
 # Optional fields left out of snapshot.json when unset, so that readers which
 # predate them still read the records that do not use them.
-_OMITTED_WHEN_NONE = frozenset({"network"})
+_OMITTED_WHEN_NONE = frozenset({"network", "machine"})
 
 
 class SnapshotOwner(Protocol):
@@ -153,6 +153,10 @@ class Snapshot:
 
     Children are restored with it: a VM with a network card cannot be restored
     without one, nor the other way round (the device sets must match)."""
+    machine: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
+    """The machine the snapshot was taken on, as its engine describes it (for QEMU: ``qemu_version``,
+    ``machine``, ``cpu_model``, ``accel``, ``machine_args``, ``machine_fingerprint``): what an archive
+    tells the importing host. None in records written before it was kept."""
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     """Free-form JSON-serialisable details: pagemap statistics, environment, recipe hash."""
     owner: SnapshotOwner | None = dataclasses.field(default=None, compare=False, repr=False, hash=False)

@@ -135,6 +135,30 @@ def test_the_manifest_names_what_a_restore_depends_on(exported: tuple[Snapshot, 
     assert memory["checksum"] == _original.files["memory.ram"]["checksum"]
 
 
+def test_the_machine_a_snapshot_recorded_is_what_the_archive_says(cache: Path, tmp_path: Path) -> None:
+    legacy = make_snapshot(SnapshotStore(tmp_path / "origin"), "legacy")
+    spec = MachineSpec(qemu=QEMU, accel="tcg", memory_mib=4, vcpus=1, kernel_args=("x=1",))
+    assert legacy.machine is None  # written before records kept their machine: derived from its hash
+    derived = archive._machine_of(legacy, ("x=1",))
+    assert derived["machine_args"] == spec.machine_args() and derived["accel"] == "tcg"
+
+    # A record that keeps its machine is exported as recorded, without rebuilding command lines.
+    recorded = {**spec.record(), "machine_args": [*spec.machine_args(), "-recorded"]}
+    store = SnapshotStore(tmp_path / "recorded")
+    with store.begin("kept") as pending:
+        (pending.dir / "state.bin").write_bytes(b"s" * 100)
+        (pending.dir / "memory.ram").write_bytes(bytes(MEMORY))
+        kept = pending.publish(legacy.replace(tag="kept", path=pending.dir, machine=recorded, files={}))
+    assert Snapshot.load_from(kept.path).machine == recorded  # survives snapshot.json
+    path = tmp_path / "kept.forkd.tar.zst"
+
+    archive.export_snapshot(kept, path)
+
+    manifest = archive.read_archive_manifest(path)
+    assert manifest["machine_args"] == recorded["machine_args"]
+    assert manifest["qemu_version"] == "7.2.0" and manifest["cpu_model"] == recorded["cpu_model"]
+
+
 def test_the_image_travels_and_gets_its_name(
     exported: tuple[Snapshot, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

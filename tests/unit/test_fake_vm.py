@@ -177,3 +177,13 @@ def test_the_accelerator_of_a_fake_factory_is_a_clear_error(factory: VMFactory) 
     assert factory.engine.describe()["engine"] == "fake"
     with pytest.raises(ConfigError, match="runs the fake engine, which has no accelerator choice"):
         factory.accel_verdict(factory.engine.image("default"))
+
+
+def test_a_snapshot_records_its_machine_as_the_engine_describes_it(vm: VM) -> None:
+    snapshot = vm.branch()
+
+    assert snapshot.machine == {"engine": "fake", "memory_mib": vm.memory_mib, "vcpus": 1}
+    assert Snapshot.load_from(snapshot.path).machine == snapshot.machine
+    (child,) = snapshot.fork(1)
+    with child:
+        assert child.origin is not None and child.origin.machine == snapshot.machine

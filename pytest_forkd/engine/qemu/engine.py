@@ -131,6 +131,9 @@ class QemuEngine:
             fingerprint["host_cpu"] = host_cpu_id()
         return fingerprint
 
+    def machine_record(self, spec: MachineSpec) -> dict[str, Any]:
+        return spec.record()
+
     def boot(
         self,
         spec: MachineSpec,

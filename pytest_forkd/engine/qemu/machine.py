@@ -120,6 +120,18 @@ class MachineSpec:
         base = ["console=ttyS0", "quiet", "panic=-1", "reboot=t", f"tsc_early_khz={tsc_khz()}", "tsc=reliable"]
         return " ".join(base + list(self.kernel_args))
 
+    def record(self) -> dict[str, Any]:
+        """What a snapshot (and an archive made of it) records about this machine, as JSON."""
+        args = self.machine_args()
+        return {
+            "qemu_version": self.qemu.version,
+            "machine": args[args.index("-M") + 1].split(",")[0],
+            "cpu_model": args[args.index("-cpu") + 1],
+            "accel": self.accel,
+            "machine_args": args,
+            "machine_fingerprint": self.fingerprint(),
+        }
+
     def fingerprint(self) -> str:
         """Hash of what a snapshot depends on: QEMU version and machine arguments.
 
