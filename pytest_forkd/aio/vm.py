@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from pytest_forkd.core.process import GuestProcess
     from pytest_forkd.core.transcript import Transcript
     from pytest_forkd.core.vm import VM
-    from pytest_forkd.engine.base import Machine
+    from pytest_forkd.engine.base import AnyMachine
     from pytest_forkd.engine.network import NetworkChoice, NetworkSpec
     from pytest_forkd.guest.client import AgentClient
     from pytest_forkd.guest.exec_result import ExecResult
@@ -227,7 +227,7 @@ class AsyncVM(_AsyncContext):
         return self._vm.factory
 
     @property
-    def machine(self) -> Machine:
+    def machine(self) -> AnyMachine:
         """``VM.machine``: the engine-level process (blocking API, for storage backends and diagnostics)."""
         return self._vm.machine
 

@@ -35,7 +35,15 @@ from pytest_forkd.core.pool import (
 )
 from pytest_forkd.core.vm import VM
 from pytest_forkd.engine import cancel, space
-from pytest_forkd.engine.base import AcceleratedEngine, Engine, EngineError, Machine, make_engine
+from pytest_forkd.engine.base import (
+    AcceleratedEngine,
+    AnyEngine,
+    AnyMachine,
+    EngineError,
+    ImageLike,
+    SpecLike,
+    make_engine,
+)
 from pytest_forkd.engine.network import NetworkChoice, NetworkSpec, check_card, network_from_record, network_spec
 from pytest_forkd.engine.rundir import RunDir
 from pytest_forkd.errors import ConfigError, HostNotReady, VMStartError
@@ -139,9 +147,9 @@ class VMFactory:
         progress: Callable[[str], None] | None = None,
         default_backend: str = "diff",
         max_output: int = DEFAULT_MAX_OUTPUT,
-        engine: str | Engine | None = None,
+        engine: str | AnyEngine | None = None,
     ) -> None:
-        self.engine: Engine = make_engine(engine, accel=accel)
+        self.engine: AnyEngine = make_engine(engine, accel=accel)
         """What starts this factory's machines: an engine name (``qemu``, ``fake``...), an instance,
         or None for the default, QEMU."""
         self.requested_accel = accel
@@ -162,7 +170,7 @@ class VMFactory:
         cancel.install()  # SIGTERM/SIGHUP/SIGINT stop the run cleanly and within seconds (from the main thread)
 
     # -- host facts, resolved lazily and once -------------------------------
-    def _accelerated_engine(self) -> AcceleratedEngine:
+    def _accelerated_engine(self) -> AcceleratedEngine[SpecLike, ImageLike]:
         if not isinstance(self.engine, AcceleratedEngine):
             raise ConfigError(
                 f"this VM factory runs the {self.engine.name} engine, which has no accelerator choice; "
@@ -266,7 +274,7 @@ class VMFactory:
 
     def adopt(
         self,
-        machine: Machine,
+        machine: AnyMachine,
         image: Any,
         *,
         ready_timeout: float,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from pytest_forkd.core.transcript import Transcript
-from pytest_forkd.engine.base import Engine, Machine
+from pytest_forkd.engine.base import AnyEngine, AnyMachine
 from pytest_forkd.guest.client import AgentClient
 from pytest_forkd.guest.exec_result import ExecResult
 from pytest_forkd.image.catalog import Image
@@ -29,7 +29,7 @@ _T = TypeVar("_T")
 class VMOwner(SnapshotOwner, Protocol):
     """The factory that started a VM, as the VM and its parts use it (it owns the VM's snapshots too)."""
 
-    engine: Engine
+    engine: AnyEngine
     default_backend: str
 
     @property
@@ -68,7 +68,7 @@ class VMHandle(Protocol):
     def closed(self) -> bool: ...
 
     @property
-    def machine(self) -> Machine: ...
+    def machine(self) -> AnyMachine: ...
 
     @property
     def agent(self) -> AgentClient: ...

@@ -44,7 +44,7 @@ from pytest_forkd.waiting import poll_until
 if TYPE_CHECKING:
     from pytest_forkd.core.changes import Changes
     from pytest_forkd.core.copy import CopyResult
-    from pytest_forkd.engine.base import Machine
+    from pytest_forkd.engine.base import AnyMachine
     from pytest_forkd.image import Image
     from pytest_forkd.storage.snapshot import Snapshot
 
@@ -59,7 +59,7 @@ class VM:
 
     def __init__(
         self,
-        machine: "Machine",
+        machine: "AnyMachine",
         agent: AgentClient,
         *,
         factory: VMOwner,
@@ -109,7 +109,7 @@ class VM:
         return self._factory
 
     @property
-    def machine(self) -> "Machine":
+    def machine(self) -> "AnyMachine":
         """The engine-level process (for storage backends and diagnostics)."""
         return self._machine
 

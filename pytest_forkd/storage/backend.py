@@ -48,7 +48,7 @@ from pytest_forkd.errors import BackendError
 from pytest_forkd.storage.store import resolve_base as resolve_base  # where backends find it
 
 if TYPE_CHECKING:
-    from pytest_forkd.engine.base import ImageLike, Machine
+    from pytest_forkd.engine.base import AnyMachine, ImageLike
     from pytest_forkd.storage.snapshot import Snapshot
     from pytest_forkd.storage.store import SnapshotStore
 
@@ -77,7 +77,7 @@ class CaptureSource:
     (None for a root VM, whose RAM file is its own and mutable).
     """
 
-    machine: "Machine"
+    machine: "AnyMachine"
     base: "Snapshot | None"
     store: "SnapshotStore"
     image: "ImageLike"
@@ -145,7 +145,7 @@ class StorageBackend:
         """
         raise NotImplementedError
 
-    def prepare_child(self, snapshot: "Snapshot", machine: "Machine", store: "SnapshotStore") -> None:
+    def prepare_child(self, snapshot: "Snapshot", machine: "AnyMachine", store: "SnapshotStore") -> None:
         """Fill in a child's memory before its device state is loaded (diffs apply pages here)."""
 
     def published(self, snapshot: "Snapshot", store: "SnapshotStore") -> None:

@@ -282,3 +282,11 @@ def test_no_module_outside_the_qemu_engine_names_a_qmp_command_or_qemu_flag() ->
         if hits:
             offenders[name] = hits
     assert offenders == {}
+
+
+def test_the_engine_interface_is_typed() -> None:
+    """Specs and images are the engine's own types (Engine and Machine are generic over them), not Any."""
+    names = [node.id for node in ast.walk(parsed(PACKAGE / "engine" / "base.py")) if isinstance(node, ast.Name)] + [
+        node.attr for node in ast.walk(parsed(PACKAGE / "engine" / "base.py")) if isinstance(node, ast.Attribute)
+    ]
+    assert names.count("Any") <= 3
