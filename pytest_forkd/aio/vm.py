@@ -195,6 +195,15 @@ class AsyncVM(_AsyncContext):
         self._vm.max_output = value
 
     @property
+    def default_backend(self) -> str | None:
+        """``VM.default_backend``: the storage backend of branches and checkpoints that name none."""
+        return self._vm.default_backend
+
+    @default_backend.setter
+    def default_backend(self, value: str | None) -> None:
+        self._vm.default_backend = value
+
+    @property
     def broken(self) -> str | None:
         """Why this handle cannot be used any more, or None.
 

@@ -58,7 +58,7 @@ def branch(
     factory = vm.factory
     store = store or factory.session_store
     tag = validate_tag(tag) if tag is not None else _auto_tag(vm)  # "" is an error, not "pick one"
-    chosen = registry().get(backend or factory.default_backend)
+    chosen = registry().get(backend or vm.default_backend or factory.default_backend)
     capabilities = factory.engine.capabilities()
     chosen.require_available(capabilities)
     started = time.perf_counter()

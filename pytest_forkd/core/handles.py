@@ -57,6 +57,7 @@ class VMHandle(Protocol):
     origin: Snapshot | None
     memory_base: Snapshot | None
     transcript: Transcript
+    default_backend: str | None
 
     @property
     def name(self) -> str: ...

@@ -83,6 +83,8 @@ class VM:
         self._cold = True
         self._closed = False
         self._lock = threading.RLock()
+        self.default_backend: str | None = None
+        """Storage backend of this VM's branches and checkpoints that name none (None: its factory's)."""
         self.max_output = DEFAULT_MAX_OUTPUT
         """Bytes of each of stdout and stderr an exec keeps unless it says otherwise (head and tail)."""
         self.broken: str | None = None
@@ -629,7 +631,10 @@ class VM:
         validate.count(n, "n")
         if network is not None:
             check_card(self.name, self._machine.network, network_spec(network))  # before anything is paused
-        return self.branch(backend=backend).fork(n, network=network)
+        children: list[VM] = self.branch(backend=backend).fork(n, network=network)
+        for child in children:
+            child.default_backend = self.default_backend
+        return children
 
     def restore(self, snapshot: "Snapshot") -> None:
         """Roll this VM back to ``snapshot`` in place: same handle, state as at the snapshot."""

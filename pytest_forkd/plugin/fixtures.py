@@ -53,9 +53,13 @@ class TestVMs:
     def __init__(self, session: ForkdSession) -> None:
         self._session = session
         self._vms: list[VM] = []
+        self.backend: str | None = None
+        """The test's storage backend: the default of the VMs started here, as of the test's VM."""
 
     def fork_snapshot(self, snapshot: Snapshot, n: int = 1, *, network: NetworkChoice = None) -> list[VM]:
         children = self._session.factory.fork_snapshot(snapshot, n, network=network)
+        for child in children:
+            child.default_backend = self.backend
         self._vms += children
         return children
 
@@ -117,13 +121,12 @@ def forkd_vm(forkd: ForkdSession, request: pytest.FixtureRequest, _forkd_test_vm
     started = time.perf_counter()
     vm = forkd.child(choice)
     factory = forkd.factory
-    previous_backend, factory.default_backend = factory.default_backend, choice.backend
+    vm.default_backend = _forkd_test_vms.backend = choice.backend  # the test's VMs, not the shared factory
     item.stash[TEST_VM] = vm
     setup_ms = (time.perf_counter() - started - (forkd.build_seconds + forkd.prefill_seconds - session_seconds)) * 1000
     try:
         yield vm
     finally:
-        factory.default_backend = previous_backend
         teardown_started = time.perf_counter()
         factory.close_soon(vm)  # killed now, reaped in the background
         teardown_ms = (time.perf_counter() - teardown_started) * 1000

@@ -187,3 +187,17 @@ def test_a_snapshot_records_its_machine_as_the_engine_describes_it(vm: VM) -> No
     (child,) = snapshot.fork(1)
     with child:
         assert child.origin is not None and child.origin.machine == snapshot.machine
+
+
+def test_a_vms_default_backend_is_its_own_and_its_forks(vm: VM) -> None:
+    factory_default = vm.factory.default_backend
+    other = "full" if factory_default != "full" else "diff"
+    vm.default_backend = other
+
+    snapshot = vm.branch()
+    children = vm.fork(1)
+
+    assert snapshot.backend == other
+    assert vm.factory.default_backend == factory_default  # the shared factory is left alone
+    with children[0] as child:
+        assert child.default_backend == other
