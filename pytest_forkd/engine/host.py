@@ -2,8 +2,9 @@
 
 Which accelerators a run may ask for, what was found out about KVM, the
 hypervisor binary and its version, the host checks ``forkd doctor`` runs:
-the modules above the engine ask here rather than reaching into the QEMU
-engine's modules, so that those stay the engine's own business.
+the machine a snapshot archive describes. The modules above the engine ask
+here rather than reaching into the QEMU engine's modules, so that those stay
+the engine's own business.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pytest_forkd.engine.qemu.host import (
     tsc_khz,
     userfaultfd_problem,
 )
+from pytest_forkd.engine.qemu.machine import has_network_card, machine_record, machine_record_of_hash
 
 __all__ = [
     "ACCELS",
@@ -34,7 +36,10 @@ __all__ = [
     "cached_verdict",
     "filesystem_type",
     "find_qemu",
+    "has_network_card",
     "kvm_access_problem",
+    "machine_record",
+    "machine_record_of_hash",
     "machine_type_problem",
     "pagemap_scan_problem",
     "tsc_khz",

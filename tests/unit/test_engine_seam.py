@@ -199,9 +199,7 @@ def test_only_the_qemu_engine_imports_qmp() -> None:
 
 #: Modules outside engine/ still allowed to import the QEMU engine, with why; meant to shrink to nothing
 #: (an entry that no longer does fails the test).
-QEMU_IMPORTS_ALLOWED: dict[str, str] = {
-    "pytest_forkd.core.archive": "rebuilds the QEMU machine arguments of snapshots that recorded only their hash",
-}
+QEMU_IMPORTS_ALLOWED: dict[str, str] = {}
 
 
 def test_no_module_outside_the_engine_imports_the_qemu_engine() -> None:
