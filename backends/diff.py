@@ -53,7 +53,7 @@ from pytest_forkd.storage.backend import (
 from .full import capture_flat
 
 if TYPE_CHECKING:
-    from pytest_forkd.engine.base import Machine
+    from pytest_forkd.engine.base import AnyMachine
     from pytest_forkd.storage.snapshot import Snapshot
     from pytest_forkd.storage.store import SnapshotStore
 
@@ -70,7 +70,7 @@ does not.
 """
 
 
-def remap_guest_ram(machine: Machine, descriptor: int, memory_file: Path) -> None:
+def remap_guest_ram(machine: AnyMachine, descriptor: int, memory_file: Path) -> None:
     """Make a *stopped* VM map ``memory_file`` copy-on-write in place of its current RAM mapping.
 
     ``memory_file`` must hold exactly the VM's memory and be open in the VMM
@@ -142,8 +142,8 @@ class DiffBackend(StorageBackend):
     def _should_rebase(self, source: CaptureSource) -> bool:
         """True when the VM changed more than ``rebase_mib`` since its base (scanned while it runs)."""
         machine = source.machine
-        # Re-basing replaces the RAM mapping of a QEMU process (the engine with a monitor).
-        if self.rebase_mib is None or remote.unsupported_reason() is not None or not hasattr(machine, "qmp"):
+        # Re-basing replaces the RAM mapping inside the VMM process: only engines that allow it.
+        if self.rebase_mib is None or remote.unsupported_reason() is not None or not source.capabilities.memory_remap:
             return False
         layout = machine.memory_layout()
         changed = sum(size for _, size in memory.private_pages(layout.pid, layout.start, layout.length))
@@ -195,7 +195,7 @@ class DiffBackend(StorageBackend):
             extra={"base_dir": str(source.base.path), "ranges": len(ranges)},
         )
 
-    def prepare_child(self, snapshot: Snapshot, machine: Machine, store: SnapshotStore) -> None:
+    def prepare_child(self, snapshot: Snapshot, machine: AnyMachine, store: SnapshotStore) -> None:
         if snapshot.memory_path is not None or snapshot.diff_path is None:
             return  # flat (or flattened) memory: nothing to apply
         fd = os.open(snapshot.diff_path, os.O_RDONLY)

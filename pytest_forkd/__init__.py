@@ -50,11 +50,11 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .aio import AsyncCheckpoint, AsyncGuestProcess, AsyncSnapshot, AsyncVM, aboot
-    from .core.archive import export_snapshot, import_snapshot
+    from .core.archive import export_snapshot
     from .core.changes import Change, Changes
     from .core.checkpoint import Checkpoint
     from .core.copy import CopyResult
-    from .core.factory import VMFactory, boot
+    from .core.factory import VMFactory, boot, import_snapshot
     from .core.process import GuestProcess, ProcessOutput
     from .core.trajectory import BisectResult, Trajectory
     from .core.transcript import Transcript
@@ -71,7 +71,7 @@ _LAZY: dict[str, str] = {
     "AsyncSnapshot": "pytest_forkd.aio",
     "AsyncVM": "pytest_forkd.aio",
     "aboot": "pytest_forkd.aio",
-    "import_snapshot": "pytest_forkd.core.archive",
+    "import_snapshot": "pytest_forkd.core.factory",
     "Change": "pytest_forkd.core.changes",
     "Changes": "pytest_forkd.core.changes",
     "Checkpoint": "pytest_forkd.core.checkpoint",

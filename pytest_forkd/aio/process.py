@@ -20,16 +20,29 @@ from __future__ import annotations
 import signal as signal_module
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..errors import ProcessTimeout
 
 if TYPE_CHECKING:
     from pytest_forkd.core.process import GuestProcess, ProcessOutput
 
-    from .vm import AsyncVM
-
 T = TypeVar("T")
+
+
+class _Offloading(Protocol):
+    """The :class:`~pytest_forkd.aio.vm.AsyncVM` of a process, as its handle uses it: to run blocking calls."""
+
+    async def _offload(
+        self,
+        what: str,
+        name: str,
+        call: Callable[[], T],
+        *,
+        discard: Callable[[T], None] | None = None,
+        in_place: bool = False,
+    ) -> T: ...
+
 
 #: How often a worker thread waiting for output or for the process checks whether its awaiter went away.
 SLICE = 0.5
@@ -118,7 +131,7 @@ class AsyncProcessOutput:
 class AsyncGuestProcess:
     """asyncio handle of a :class:`~pytest_forkd.core.process.GuestProcess` (see :meth:`AsyncVM.spawn`)."""
 
-    def __init__(self, process: GuestProcess, vm: AsyncVM) -> None:
+    def __init__(self, process: GuestProcess, vm: _Offloading) -> None:
         self._process = process
         self._vm = vm
         self.stdout = AsyncProcessOutput(process.stdout, self)

@@ -44,11 +44,11 @@ if TYPE_CHECKING:
     from pytest_forkd.core.changes import Changes
     from pytest_forkd.core.checkpoint import Checkpoint
     from pytest_forkd.core.copy import CopyResult
-    from pytest_forkd.core.factory import VMFactory
+    from pytest_forkd.core.handles import VMOwner
     from pytest_forkd.core.process import GuestProcess
     from pytest_forkd.core.transcript import Transcript
     from pytest_forkd.core.vm import VM
-    from pytest_forkd.engine.base import Machine
+    from pytest_forkd.engine.base import AnyMachine
     from pytest_forkd.engine.network import NetworkChoice, NetworkSpec
     from pytest_forkd.guest.client import AgentClient
     from pytest_forkd.guest.exec_result import ExecResult
@@ -195,6 +195,15 @@ class AsyncVM(_AsyncContext):
         self._vm.max_output = value
 
     @property
+    def default_backend(self) -> str | None:
+        """``VM.default_backend``: the storage backend of branches and checkpoints that name none."""
+        return self._vm.default_backend
+
+    @default_backend.setter
+    def default_backend(self, value: str | None) -> None:
+        self._vm.default_backend = value
+
+    @property
     def broken(self) -> str | None:
         """Why this handle cannot be used any more, or None.
 
@@ -222,12 +231,12 @@ class AsyncVM(_AsyncContext):
         return self._vm.agent
 
     @property
-    def factory(self) -> VMFactory:
+    def factory(self) -> VMOwner:
         """``VM.factory``: the factory that started the VM (blocking API)."""
         return self._vm.factory
 
     @property
-    def machine(self) -> Machine:
+    def machine(self) -> AnyMachine:
         """``VM.machine``: the engine-level process (blocking API, for storage backends and diagnostics)."""
         return self._vm.machine
 
@@ -349,7 +358,7 @@ class AsyncVM(_AsyncContext):
 
     async def changes(
         self,
-        since: AsyncCheckpoint | AsyncSnapshot | Checkpoint | Snapshot | None = None,
+        since: AsyncCheckpoint | AsyncSnapshot | Checkpoint[VM] | Snapshot | None = None,
         *,
         include: Iterable[str] = (),
         exclude: Iterable[str] = (),
@@ -635,13 +644,13 @@ class AsyncCheckpoint(_AsyncContext):
     ``await cp.fork(n)``.
     """
 
-    def __init__(self, vm: AsyncVM, checkpoint: Checkpoint) -> None:
+    def __init__(self, vm: AsyncVM, checkpoint: Checkpoint[VM]) -> None:
         self.vm = vm
         self._checkpoint = checkpoint
         self.snapshot = AsyncSnapshot(checkpoint.snapshot, loop=vm._guard.loop)
 
     @property
-    def sync(self) -> Checkpoint:
+    def sync(self) -> Checkpoint[VM]:
         return self._checkpoint
 
     @property

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from pytest_forkd.cli.bench import PARTS, SWEEP_MEMORY, BenchPlan, figure, plot_sweep, run_bench, run_sweep
-from pytest_forkd.engine.qemu.accel import ACCELS
-from pytest_forkd.engine.qemu.network import MODES
+from pytest_forkd.engine.host import ACCELS
+from pytest_forkd.engine.network import MODES
 
 
 def _int_list(text: str) -> list[int]:

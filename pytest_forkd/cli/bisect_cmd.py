@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pytest_forkd.core.trajectory import DEFAULT_EVERY
-from pytest_forkd.engine.qemu.accel import ACCELS
+from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.errors import ConfigError, TranscriptError
 
 

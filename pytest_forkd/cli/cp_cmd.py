@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pytest_forkd.core.copy import CopyResult
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
-from pytest_forkd.engine.qemu.accel import ACCELS
+from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.errors import InvalidArgument
 from pytest_forkd.paths import validate_tag
 from pytest_forkd.project import lifecycle

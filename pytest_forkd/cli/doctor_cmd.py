@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from pytest_forkd.engine.qemu import host
-from pytest_forkd.engine.qemu.accel import ACCELS
+from pytest_forkd.engine import host
+from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.errors import ForkdError
 
 MIN_SHM_FREE = 1 << 30

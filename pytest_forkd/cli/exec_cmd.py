@@ -10,7 +10,7 @@ from typing import cast
 
 from pytest_forkd.core import validate
 from pytest_forkd.core.factory import VMFactory
-from pytest_forkd.engine.qemu.accel import ACCELS
+from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.errors import ExecTimeout
 from pytest_forkd.guest.exec_result import ExecResult
 from pytest_forkd.project.lifecycle import find_snapshot

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TextIO
 from pytest_forkd.cli.exec_cmd import exit_status
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
-from pytest_forkd.engine.qemu.accel import ACCELS
+from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.project.lifecycle import find_snapshot
 from pytest_forkd.storage.store import SnapshotStore
 

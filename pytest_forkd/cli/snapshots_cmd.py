@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_forkd import paths
-from pytest_forkd.engine.qemu.accel import ACCELS
+from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.errors import ConfigError
 from pytest_forkd.project import lifecycle
 from pytest_forkd.storage import integrity
@@ -213,7 +213,7 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from pytest_forkd.engine.qemu.network import network_from_record
+    from pytest_forkd.engine.network import network_from_record
 
     store = _store(args)
     snapshot = store.get(args.tag)

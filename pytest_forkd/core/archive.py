@@ -51,12 +51,10 @@ from typing import IO, Any, Final
 from filelock import FileLock
 
 from pytest_forkd import paths, private
-from pytest_forkd.core.factory import default_factory
 from pytest_forkd.engine import memory, space
 from pytest_forkd.engine.cpu import host_cpu, host_cpu_id
-from pytest_forkd.engine.qemu.host import Qemu, find_qemu, tsc_khz
-from pytest_forkd.engine.qemu.machine import MachineSpec
-from pytest_forkd.engine.qemu.network import NetworkSpec, device_args, network_from_record
+from pytest_forkd.engine.host import find_qemu, has_network_card, machine_record, machine_record_of_hash, tsc_khz
+from pytest_forkd.engine.network import network_from_record
 from pytest_forkd.errors import ArchiveError, DamagedSnapshot, ForkdError, IncompatibleSnapshot, SnapshotError
 from pytest_forkd.image.catalog import MANIFEST_FILE as IMAGE_MANIFEST
 from pytest_forkd.image.catalog import image_directory, is_published, key_of, point_name, read_manifest
@@ -132,7 +130,7 @@ def export_snapshot(
     SnapshotStore(snapshot.path.parent, clean=False).check_restorable(snapshot)  # no damaged file leaves
     image_dir = image_directory(image_key)
     image_manifest = read_manifest(image_dir)
-    machine = _machine_of(snapshot, tuple(image_manifest.get("kernel_args", ())))
+    machine = _machine_of(snapshot, tuple(image_manifest.get("kernel_args", ())))  # as recorded, or derived
     with tempfile.TemporaryDirectory(prefix="forkd-export-", dir=_scratch_root(snapshot.memory_mib << 20)) as scratch:
         try:
             files = _snapshot_files(snapshot, Path(scratch))
@@ -246,37 +244,33 @@ def _snapshot_files(snapshot: Snapshot, scratch: Path) -> list[tuple[str, Path, 
 
 
 def _machine_of(snapshot: Snapshot, kernel_args: tuple[str, ...]) -> dict[str, Any]:
-    """QEMU version, machine, CPU model and accelerator the snapshot was taken with.
+    """QEMU version, machine, CPU model, accelerator and arguments the snapshot was taken with.
 
-    The record keeps them as a hash; the machine arguments are found again by
+    A record keeps them (``Snapshot.machine``). Records written before it
+    was kept have only their hash: the machine arguments are found again by
     hashing the candidates (both accelerators) with the recorded QEMU version.
     """
+    if snapshot.machine is not None and {"machine", "cpu_model", "accel", "machine_args"} <= set(snapshot.machine):
+        return {
+            **snapshot.machine,
+            "qemu_version": snapshot.fingerprint.get("qemu", snapshot.machine.get("qemu_version")),
+        }
     recorded = snapshot.fingerprint.get("machine")
     versions = [snapshot.fingerprint.get("qemu")]
     try:
         versions.append(find_qemu().version)
     except ForkdError:
         pass
-    for version in filter(None, versions):
-        for accel in ("tcg", "kvm"):
-            spec = MachineSpec(
-                qemu=Qemu("qemu-system-x86_64", version),
-                accel=accel,
-                memory_mib=snapshot.memory_mib,
-                vcpus=snapshot.vcpus,
-                kernel_args=kernel_args,
-                network_card=network_from_record(snapshot.network).has_card,
-            )
-            if spec.fingerprint() == recorded:
-                args = spec.machine_args()
-                return {
-                    "qemu_version": snapshot.fingerprint.get("qemu", version),
-                    "machine": _option(args, "-M").split(",")[0],
-                    "cpu_model": _option(args, "-cpu"),
-                    "accel": accel,
-                    "machine_args": args,
-                    "machine_fingerprint": recorded,
-                }
+    found = machine_record_of_hash(
+        recorded,
+        [version for version in versions if version],
+        memory_mib=snapshot.memory_mib,
+        vcpus=snapshot.vcpus,
+        kernel_args=kernel_args,
+        network_card=network_from_record(snapshot.network).has_card,
+    )
+    if found is not None:
+        return {**found, "qemu_version": snapshot.fingerprint.get("qemu", found["qemu_version"])}
     raise ArchiveError(
         f"cannot tell which machine snapshot {snapshot.tag!r} was taken on (its machine fingerprint {recorded!r} "
         "matches no QEMU command line of this pytest-forkd version); export it with the pytest-forkd version "
@@ -285,31 +279,6 @@ def _machine_of(snapshot: Snapshot, kernel_args: tuple[str, ...]) -> dict[str, A
 
 
 # --- import ----------------------------------------------------------------------------------------------
-
-
-def import_snapshot(
-    path: Path | str,
-    *,
-    store: SnapshotStore | Path | str | None = None,
-    replace: bool = False,
-    name: str | None = None,
-    project: Path | str | None = None,
-) -> Snapshot:
-    """Import the archive ``path`` into ``store`` (default: the persistent store) and return the snapshot.
-
-    Refuses an existing snapshot of the same name unless ``replace``;
-    ``name`` imports it under another name. A snapshot that belonged to a
-    project (declared in its forkd.yaml) goes into the namespace of
-    ``project`` (default: the project around the working directory), as a
-    run there looks it up; a shared one (``base``) into the store itself.
-    The record is attached to the process-wide factory behind
-    :func:`pytest_forkd.boot`, so ``import_snapshot(path).fork()`` starts
-    children at once (close them when done). See
-    :func:`import_archive`.
-    """
-    info = import_archive(path, store=store, replace=replace, name=name, project=project)
-    assert info.snapshot is not None
-    return info.snapshot.with_owner(default_factory())
 
 
 def import_archive(
@@ -327,7 +296,7 @@ def import_archive(
     project (declared in its forkd.yaml) goes into the namespace of
     ``project`` (default: the project around the working directory), as a
     run there looks it up; a shared one (``base``) into the store itself.
-    :func:`import_snapshot` is this plus the factory to fork from.
+    :func:`pytest_forkd.import_snapshot` is this plus the factory to fork from.
     """
     started = time.perf_counter()
     path = Path(path)
@@ -576,17 +545,16 @@ def check_host(manifest: Mapping[str, Any], tag: str | None = None) -> None:
                 f"{ours!r}; it restores only on the same CPU (model and flags): rebuild it here, or take it "
                 "under TCG (--forkd-accel=tcg), whose CPU model is fixed"
             )
-    card = device_args(NetworkSpec("outbound"))[-1] in manifest.get("machine_args", [])  # a network card
-    spec = MachineSpec(
-        qemu=local,
+    here = machine_record(
+        local,
         accel=manifest["accel"],
         memory_mib=manifest["memory_mib"],
         vcpus=manifest["vcpus"],
         kernel_args=tuple(manifest["image"].get("kernel_args", ())),
-        network_card=card,
+        network_card=has_network_card(list(manifest.get("machine_args", []))),
     )
-    if spec.fingerprint() != manifest["machine_fingerprint"]:
-        args = spec.machine_args()
+    if here["machine_fingerprint"] != manifest["machine_fingerprint"]:
+        args = here["machine_args"]
         their_args = list(manifest.get("machine_args", []))
         changed = [f"{a} -> {b}" for a, b in zip(their_args, args) if a != b] or ["kernel arguments or other details"]
         raise IncompatibleSnapshot(
@@ -819,10 +787,6 @@ def _cpu_text(cpu: object) -> str:
     """A manifest's ``host.cpu`` in the form of :func:`host_cpu_id`."""
     cpu = cpu if isinstance(cpu, Mapping) else {}
     return f"{cpu.get('model', 'an unrecorded CPU')} (flags {cpu.get('flags_sha256', '?')})"
-
-
-def _option(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1] if flag in args else ""
 
 
 def _version() -> str:

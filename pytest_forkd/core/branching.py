@@ -13,8 +13,9 @@ import itertools
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pytest_forkd.core.handles import VMHandle
 from pytest_forkd.engine import space
 from pytest_forkd.engine.memory import copy_sparse
 from pytest_forkd.errors import SnapshotError
@@ -23,17 +24,14 @@ from pytest_forkd.storage.backend import MEMORY_FILE, STATE_FILE, CaptureFinish,
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore
 
-if TYPE_CHECKING:
-    from pytest_forkd.core.vm import VM
-
 _tag_counter = itertools.count(1)
 
 
-def _auto_tag(vm: "VM") -> str:
+def _auto_tag(vm: VMHandle) -> str:
     return f"{vm.name}-b{next(_tag_counter)}-{int(time.time() * 1000) % 100000}"
 
 
-def _record(vm: "VM", tag: str, path: Path, backend: str, **fields: Any) -> Snapshot:
+def _record(vm: VMHandle, tag: str, path: Path, backend: str, **fields: Any) -> Snapshot:
     factory = vm.factory
     # The VM's exec defaults travel with the snapshot, so its children (in any process) get them.
     fields["extra"] = {**vm.defaults(), **(fields.get("extra") or {})}
@@ -48,23 +46,27 @@ def _record(vm: "VM", tag: str, path: Path, backend: str, **fields: Any) -> Snap
         state_file=STATE_FILE,
         parent=vm.origin.tag if vm.origin else None,
         network=vm._network_record(),
+        machine=factory.engine.machine_record(vm.machine.spec),
         **fields,
     )
 
 
 def branch(
-    vm: "VM", tag: str | None = None, *, backend: str | None = None, store: SnapshotStore | None = None
+    vm: VMHandle, tag: str | None = None, *, backend: str | None = None, store: SnapshotStore | None = None
 ) -> Snapshot:
     """Snapshot the running ``vm`` with a short pause; the VM keeps running."""
     factory = vm.factory
     store = store or factory.session_store
     tag = validate_tag(tag) if tag is not None else _auto_tag(vm)  # "" is an error, not "pick one"
-    chosen = registry().get(backend or factory.default_backend)
-    chosen.require_available(factory.engine.capabilities())
+    chosen = registry().get(backend or vm.default_backend or factory.default_backend)
+    capabilities = factory.engine.capabilities()
+    chosen.require_available(capabilities)
     started = time.perf_counter()
     with store.begin(tag) as pending:
         try:
-            source = CaptureSource(vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30))
+            source = CaptureSource(
+                vm.machine, vm.memory_base, store, vm.image, lambda: vm.agent.ping(timeout=30), capabilities
+            )
             capture = chosen.capture(source, pending.dir)
         except BaseException as exc:
             vm._recover_after_failed_pause()
@@ -123,7 +125,9 @@ def _finish_in_background(store: SnapshotStore, snapshot: Snapshot, finish: Capt
     threading.Thread(target=run, name=f"materialise-{snapshot.tag}", daemon=True).start()
 
 
-def freeze(vm: "VM", tag: str, *, store: SnapshotStore, keep_running: bool = True, replace: bool = False) -> Snapshot:
+def freeze(
+    vm: VMHandle, tag: str, *, store: SnapshotStore, keep_running: bool = True, replace: bool = False
+) -> Snapshot:
     """Turn a booted root VM into a base snapshot: stop, save devices, keep its RAM file.
 
     The cheapest snapshot there is (a few ms of pause, no memory copy when the

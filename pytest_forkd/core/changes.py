@@ -31,9 +31,9 @@ import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-from pytest_forkd.core.checkpoint import Checkpoint
+from pytest_forkd.core.handles import VMHandle
 from pytest_forkd.core.manifest import (
     DEFAULT_EXCLUDES,
     GUEST_MANIFESTS,
@@ -47,8 +47,16 @@ from pytest_forkd.errors import ChangesError, ForkdError
 from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.storage.snapshot import Snapshot
 
-if TYPE_CHECKING:
-    from pytest_forkd.core.vm import VM
+
+class _Since(Protocol):
+    """A checkpoint as a comparison point (see :class:`~pytest_forkd.core.checkpoint.Checkpoint`)."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    @property
+    def tag(self) -> str: ...
+
 
 Status = Literal["added", "modified", "deleted"]
 #: What a modification can be about.
@@ -230,18 +238,15 @@ class _OldState:
     :attr:`child` waits for it, or forks it then.
     """
 
-    def __init__(self, vm: VM, snapshot: Snapshot) -> None:
+    def __init__(self, vm: VMHandle, snapshot: Snapshot) -> None:
         self._vm = vm
         self._snapshot = snapshot
-        self._child: VM | None = None
-        self._pending: Future[VM] | None = None
+        self._child: VMHandle | None = None
+        self._pending: Future[VMHandle] | None = None
 
-    def _fork(self) -> VM:
-        snapshot = self._snapshot
-        if snapshot.owner is not None:
-            child: VM = snapshot.fork(1)[0]  # the storage layer cannot name VM
-            return child
-        return self._vm.factory.fork_snapshot(snapshot, 1)[0]
+    def _fork(self) -> VMHandle:
+        child: VMHandle = self._vm.factory.fork_snapshot(self._snapshot, 1)[0]
+        return child
 
     def start(self) -> None:
         if self._child is None and self._pending is None:
@@ -257,7 +262,7 @@ class _OldState:
             threading.Thread(target=run, name="forkd-changes-old-state", daemon=True).start()
 
     @property
-    def child(self) -> VM:
+    def child(self) -> VMHandle:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._child = pending.result()
@@ -277,7 +282,7 @@ class _OldState:
             child.close()
 
 
-def _guest_exec(vm: VM, argv: list[str], what: str, stdin: bytes | None = None) -> Any:
+def _guest_exec(vm: VMHandle, argv: list[str], what: str, stdin: bytes | None = None) -> Any:
     result = vm._exec_untracked(argv, stdin=stdin)
     if result.exit_code != 0:
         raise ChangesError(
@@ -287,14 +292,14 @@ def _guest_exec(vm: VM, argv: list[str], what: str, stdin: bytes | None = None) 
     return result
 
 
-def record_manifest(vm: VM, label: str) -> str:
+def record_manifest(vm: VMHandle, label: str) -> str:
     """Walk ``vm``'s filesystem into /run/forkd/manifests/<label>; returns the guest path."""
     path = f"{GUEST_MANIFESTS}/{label}"
     _guest_exec(vm, walk_command(path, label), "recording a filesystem manifest")
     return path
 
 
-def _read_manifest(vm: VM, path: str) -> Manifest:
+def _read_manifest(vm: VMHandle, path: str) -> Manifest:
     try:
         return Manifest.parse(vm._read_file_untracked(path))
     except ManifestFormatError as exc:
@@ -304,7 +309,7 @@ def _read_manifest(vm: VM, path: str) -> Manifest:
         ) from None
 
 
-def _current_manifest(vm: VM) -> Manifest:
+def _current_manifest(vm: VMHandle) -> Manifest:
     label = f"now-{secrets.token_hex(4)}"
     path = record_manifest(vm, label)
     try:
@@ -313,7 +318,7 @@ def _current_manifest(vm: VM) -> Manifest:
         vm._exec_untracked(["rm", "-f", path])
 
 
-def _hashes(vm: VM, paths: list[str]) -> list[str]:
+def _hashes(vm: VMHandle, paths: list[str]) -> list[str]:
     """sha256 of each path's content in ``vm`` ('-' for a path that cannot be read)."""
     if not paths:
         return []
@@ -326,7 +331,7 @@ def _hashes(vm: VM, paths: list[str]) -> list[str]:
     return [digests.get(path, "-") for path in paths]
 
 
-def _since_snapshot(vm: VM, since: Checkpoint | Snapshot | None) -> tuple[Snapshot, str]:
+def _since_snapshot(vm: VMHandle, since: _Since | Snapshot | None) -> tuple[Snapshot, str]:
     if since is None:
         if vm.origin is None:
             raise ChangesError(
@@ -334,15 +339,15 @@ def _since_snapshot(vm: VM, since: Checkpoint | Snapshot | None) -> tuple[Snapsh
                 "(take one with vm.checkpoint()) to say since when"
             )
         return vm.origin, f"snapshot {vm.origin.tag} (where VM {vm.name} started)"
-    if isinstance(since, Checkpoint):
-        return since.snapshot, f"checkpoint {since.tag}"
     if isinstance(since, Snapshot):
         return since, f"snapshot {since.tag}"
+    if isinstance(getattr(since, "snapshot", None), Snapshot):
+        return since.snapshot, f"checkpoint {since.tag}"
     raise ChangesError(f"since= takes a Checkpoint or a Snapshot, got {type(since).__name__}: {since!r}")
 
 
 def changes_since(
-    vm: VM, since: Checkpoint | Snapshot | None = None, *, include: Iterable[str] = (), exclude: Iterable[str] = ()
+    vm: VMHandle, since: _Since | Snapshot | None = None, *, include: Iterable[str] = (), exclude: Iterable[str] = ()
 ) -> Changes:
     """What changed in ``vm``'s filesystem since ``since`` (see :meth:`pytest_forkd.core.vm.VM.changes`)."""
     snapshot, label = _since_snapshot(vm, since)
@@ -374,7 +379,7 @@ def changes_since(
     return Changes(vm, label, changes, old_state)
 
 
-def _recorded_manifest(vm: VM, snapshot: Snapshot) -> Manifest | None:
+def _recorded_manifest(vm: VMHandle, snapshot: Snapshot) -> Manifest | None:
     """The manifest the guest recorded when ``snapshot`` was taken as a checkpoint, if it has it."""
     try:
         data = vm._read_file_untracked(f"{GUEST_MANIFESTS}/{snapshot.tag}")
@@ -400,7 +405,7 @@ class Changes:
     collected and when its VM's factory closes.
     """
 
-    def __init__(self, vm: VM, since: str, changes: dict[str, Change], old_state: _OldState) -> None:
+    def __init__(self, vm: VMHandle, since: str, changes: dict[str, Change], old_state: _OldState) -> None:
         self.vm = vm
         self.since = since
         """What the changes are relative to, in words."""

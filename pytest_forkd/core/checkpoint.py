@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Generic, Iterable, Protocol, TypeVar
+
+from pytest_forkd.storage.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from pytest_forkd.core.changes import Changes
-    from pytest_forkd.core.vm import VM
-    from pytest_forkd.storage.snapshot import Snapshot
 
 
-class Checkpoint:
+class CheckpointedVM(Protocol):
+    """What a checkpoint asks of its VM: to roll back, and to compare with the checkpoint."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def restore(self, snapshot: Snapshot) -> None: ...
+
+    def changes(self, since: Any = None, *, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> Changes: ...
+
+
+_V = TypeVar("_V", bound=CheckpointedVM)
+
+
+class Checkpoint(Generic[_V]):
     """A snapshot of ``vm`` plus the means to roll back to it or fork from it.
 
     As a context manager it rolls the VM back when the block ends (whether it
@@ -22,7 +39,7 @@ class Checkpoint:
                 cp.keep()
     """
 
-    def __init__(self, vm: "VM", snapshot: "Snapshot") -> None:
+    def __init__(self, vm: _V, snapshot: Snapshot) -> None:
         self.vm = vm
         self.snapshot = snapshot
         self._keep = False
@@ -39,15 +56,15 @@ class Checkpoint:
         """Restore the VM to the checkpoint now."""
         self.vm.restore(self.snapshot)
 
-    def changes(self, *, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> "Changes":
+    def changes(self, *, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> Changes:
         """What changed in the VM's filesystem since this checkpoint (see :meth:`VM.changes`)."""
         return self.vm.changes(self, include=include, exclude=exclude)
 
-    def fork(self, n: int = 1) -> list["VM"]:
+    def fork(self, n: int = 1) -> list[_V]:
         """Start ``n`` children of the checkpoint (alternatives to try side by side)."""
         return self.snapshot.fork(n)
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint[_V]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

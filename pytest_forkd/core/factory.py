@@ -35,7 +35,15 @@ from pytest_forkd.core.pool import (
 )
 from pytest_forkd.core.vm import VM
 from pytest_forkd.engine import cancel, space
-from pytest_forkd.engine.base import Engine, EngineError, Machine, make_engine
+from pytest_forkd.engine.base import (
+    AcceleratedEngine,
+    AnyEngine,
+    AnyMachine,
+    EngineError,
+    ImageLike,
+    SpecLike,
+    make_engine,
+)
 from pytest_forkd.engine.network import NetworkChoice, NetworkSpec, check_card, network_from_record, network_spec
 from pytest_forkd.engine.rundir import RunDir
 from pytest_forkd.errors import ConfigError, HostNotReady, VMStartError
@@ -139,9 +147,9 @@ class VMFactory:
         progress: Callable[[str], None] | None = None,
         default_backend: str = "diff",
         max_output: int = DEFAULT_MAX_OUTPUT,
-        engine: str | Engine | None = None,
+        engine: str | AnyEngine | None = None,
     ) -> None:
-        self.engine: Engine = make_engine(engine, accel=accel)
+        self.engine: AnyEngine = make_engine(engine, accel=accel)
         """What starts this factory's machines: an engine name (``qemu``, ``fake``...), an instance,
         or None for the default, QEMU."""
         self.requested_accel = accel
@@ -162,15 +170,10 @@ class VMFactory:
         cancel.install()  # SIGTERM/SIGHUP/SIGINT stop the run cleanly and within seconds (from the main thread)
 
     # -- host facts, resolved lazily and once -------------------------------
-    @property
-    def qemu(self) -> Any:
-        """The QEMU binary of a QEMU engine (its ``binary`` and ``version``)."""
-        return self._qemu_engine("QEMU's binary").qemu
-
-    def _qemu_engine(self, what: str) -> Any:
-        if not hasattr(self.engine, "qemu"):
+    def _accelerated_engine(self) -> AcceleratedEngine[SpecLike, ImageLike]:
+        if not isinstance(self.engine, AcceleratedEngine):
             raise ConfigError(
-                f"this VM factory runs the {self.engine.name} engine, which has no {what}; "
+                f"this VM factory runs the {self.engine.name} engine, which has no accelerator choice; "
                 "use VMFactory(engine='qemu') (the default)"
             )
         return self.engine
@@ -193,7 +196,7 @@ class VMFactory:
 
     def accel_verdict(self, image: Any) -> Any:
         """The accelerator the engine chose (KVM or TCG for QEMU), probing it once with a throwaway VM."""
-        return self._qemu_engine("accelerator").accel_verdict(image, self._probe(image))
+        return self._accelerated_engine().accel_verdict(image, self._probe(image))
 
     def machine_spec(self, image: Any, *, memory_mib: int, vcpus: int, network_card: bool = False) -> Any:
         """The machine for ``image`` at this size; checks the size first (no VM has started yet)."""
@@ -271,7 +274,7 @@ class VMFactory:
 
     def adopt(
         self,
-        machine: Machine,
+        machine: AnyMachine,
         image: Any,
         *,
         ready_timeout: float,
@@ -311,13 +314,23 @@ class VMFactory:
             self._vms.add(vm)
         return vm
 
+    # -- snapshots ----------------------------------------------------------------
+    def export_snapshot(self, snapshot: Snapshot, destination: Path | str) -> Path:
+        """Write ``snapshot`` and its image into the archive ``destination`` (see :meth:`Snapshot.export`)."""
+        from pytest_forkd.core.archive import export_snapshot
+
+        return export_snapshot(snapshot, destination).path
+
     # -- children of snapshots ----------------------------------------------------
     def _child_plan(self, snapshot: Snapshot) -> tuple[Snapshot, Any, Any, SnapshotStore]:
         if not snapshot.is_ready:
             snapshot = snapshot.wait_ready()
-        SnapshotStore(snapshot.path.parent, clean=False).check_restorable(snapshot)
-        snapshot = self._mappable(snapshot)
         store = SnapshotStore(snapshot.path.parent, clean=False)
+        store.check_restorable(snapshot)
+        mappable = self._mappable(snapshot)
+        if mappable.path.parent != snapshot.path.parent:  # restored from a local copy: its own store
+            store = SnapshotStore(mappable.path.parent, clean=False)
+        snapshot = mappable
         image = self._image_of(snapshot)
         spec = self.machine_spec(
             image,
@@ -696,3 +709,30 @@ def boot(
     validate.vcpus(vcpus)
     network_spec(network)
     return default_factory(accel).boot(image, memory_mib=memory_mib, vcpus=vcpus, network=network)
+
+
+def import_snapshot(
+    path: Path | str,
+    *,
+    store: SnapshotStore | Path | str | None = None,
+    replace: bool = False,
+    name: str | None = None,
+    project: Path | str | None = None,
+) -> Snapshot:
+    """Import the archive ``path`` into ``store`` (default: the persistent store) and return the snapshot.
+
+    Refuses an existing snapshot of the same name unless ``replace``;
+    ``name`` imports it under another name. A snapshot that belonged to a
+    project (declared in its forkd.yaml) goes into the namespace of
+    ``project`` (default: the project around the working directory), as a
+    run there looks it up; a shared one (``base``) into the store itself.
+    The record is attached to the process-wide factory behind
+    :func:`pytest_forkd.boot`, so ``import_snapshot(path).fork()`` starts
+    children at once (close them when done). See
+    :func:`pytest_forkd.core.archive.import_archive`.
+    """
+    from pytest_forkd.core.archive import import_archive
+
+    info = import_archive(path, store=store, replace=replace, name=name, project=project)
+    assert info.snapshot is not None
+    return info.snapshot.with_owner(default_factory())

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 from pytest_forkd.engine import cgroup
 
 if TYPE_CHECKING:
-    from pytest_forkd.core.vm import VM
+    from pytest_forkd.core.handles import VMHandle
 
 log = logging.getLogger(__name__)
 
@@ -513,22 +513,22 @@ def child_memory_mib(pid: int) -> float | None:
     return None
 
 
-def park_vm(vm: "VM") -> None:
+def park_vm(vm: "VMHandle") -> None:
     """Pause a warm pooled child: a paused QEMU costs no CPU while it waits to be handed out."""
     vm.machine.stop()
 
 
-def unpark_vm(vm: "VM") -> None:
+def unpark_vm(vm: "VMHandle") -> None:
     """Resume a parked child; its next request sets the guest clock to the host's (a new epoch)."""
     vm.agent.new_epoch()
     vm.machine.resume()
 
 
-def vm_usable(vm: "VM") -> bool:
+def vm_usable(vm: "VMHandle") -> bool:
     return not vm.closed and vm.machine.alive()
 
 
-def vm_memory_bound(vm: "VM") -> int | None:
+def vm_memory_bound(vm: "VMHandle") -> int | None:
     """The pool bound from the memory one parked child of it really uses (its PSS) and the host's available memory."""
     used = child_memory_mib(vm.machine.pid)
     return None if used is None else memory_bound(used, available_memory_mib())

@@ -46,7 +46,7 @@ from pytest_forkd.guest import wire
 from pytest_forkd.guest.client import PROCESS_WINDOW, AgentTimeout, ChannelClosed, ProcessCall
 
 if TYPE_CHECKING:
-    from pytest_forkd.core.vm import VM
+    from pytest_forkd.core.handles import VMHandle
 
 T = TypeVar("T")
 
@@ -207,7 +207,7 @@ class GuestProcess:
     """
 
     def __init__(
-        self, vm: VM, command: str | Sequence[str], *, pty: bool, max_output: int, window: int = PROCESS_WINDOW
+        self, vm: VMHandle, command: str | Sequence[str], *, pty: bool, max_output: int, window: int = PROCESS_WINDOW
     ) -> None:
         self._vm = vm
         self.command = command if isinstance(command, str) else tuple(command)
@@ -264,7 +264,7 @@ class GuestProcess:
         return self.command if isinstance(self.command, str) else " ".join(self.command)
 
     @property
-    def vm(self) -> VM:
+    def vm(self) -> VMHandle:
         return self._vm
 
     def __repr__(self) -> str:

@@ -21,6 +21,7 @@ from pytest_forkd.core import validate
 from pytest_forkd.core.branching import _auto_tag, branch, freeze
 from pytest_forkd.core.changes import changes_since, record_manifest
 from pytest_forkd.core.checkpoint import Checkpoint
+from pytest_forkd.core.handles import VMOwner
 from pytest_forkd.core.process import GuestProcess, output_bounds
 from pytest_forkd.core.transcript import Transcript
 from pytest_forkd.engine.network import (
@@ -43,8 +44,7 @@ from pytest_forkd.waiting import poll_until
 if TYPE_CHECKING:
     from pytest_forkd.core.changes import Changes
     from pytest_forkd.core.copy import CopyResult
-    from pytest_forkd.core.factory import VMFactory
-    from pytest_forkd.engine.base import Machine
+    from pytest_forkd.engine.base import AnyMachine
     from pytest_forkd.image import Image
     from pytest_forkd.storage.snapshot import Snapshot
 
@@ -59,10 +59,10 @@ class VM:
 
     def __init__(
         self,
-        machine: "Machine",
+        machine: "AnyMachine",
         agent: AgentClient,
         *,
-        factory: "VMFactory",
+        factory: VMOwner,
         image: "Image",
         origin: "Snapshot | None" = None,
         memory_base: "Snapshot | None" = None,
@@ -83,6 +83,8 @@ class VM:
         self._cold = True
         self._closed = False
         self._lock = threading.RLock()
+        self.default_backend: str | None = None
+        """Storage backend of this VM's branches and checkpoints that name none (None: its factory's)."""
         self.max_output = DEFAULT_MAX_OUTPUT
         """Bytes of each of stdout and stderr an exec keeps unless it says otherwise (head and tail)."""
         self.broken: str | None = None
@@ -105,11 +107,11 @@ class VM:
         return memory_mib
 
     @property
-    def factory(self) -> "VMFactory":
+    def factory(self) -> VMOwner:
         return self._factory
 
     @property
-    def machine(self) -> "Machine":
+    def machine(self) -> "AnyMachine":
         """The engine-level process (for storage backends and diagnostics)."""
         return self._machine
 
@@ -490,7 +492,11 @@ class VM:
         return result
 
     def changes(
-        self, since: "Checkpoint | Snapshot | None" = None, *, include: Iterable[str] = (), exclude: Iterable[str] = ()
+        self,
+        since: "Checkpoint[VM] | Snapshot | None" = None,
+        *,
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
     ) -> "Changes":
         """What changed in the guest's filesystem since a checkpoint or snapshot (default: ``origin``).
 
@@ -625,14 +631,19 @@ class VM:
         validate.count(n, "n")
         if network is not None:
             check_card(self.name, self._machine.network, network_spec(network))  # before anything is paused
-        return self.branch(backend=backend).fork(n, network=network)
+        children: list[VM] = self.branch(backend=backend).fork(n, network=network)
+        for child in children:
+            child.default_backend = self.default_backend
+        return children
 
     def restore(self, snapshot: "Snapshot") -> None:
         """Roll this VM back to ``snapshot`` in place: same handle, state as at the snapshot."""
         self._ensure_open("restoring a snapshot")
         self._factory.restore_into(self, snapshot)
 
-    def checkpoint(self, tag: str | None = None, *, backend: str | None = None, manifest: bool = False) -> "Checkpoint":
+    def checkpoint(
+        self, tag: str | None = None, *, backend: str | None = None, manifest: bool = False
+    ) -> "Checkpoint[VM]":
         """Snapshot this VM before something destructive; a context manager that rolls back on exit.
 
         A checkpoint costs a branch pause of a few milliseconds. With

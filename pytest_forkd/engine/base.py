@@ -35,7 +35,7 @@ import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 from pytest_forkd.errors import ConfigError, VMError
 
@@ -82,6 +82,9 @@ class Capabilities:
     """A machine can start paused from a memory file plus a device-state file."""
     network: bool = False
     """Machines can have a network card, with host ports forwarded to guest ports."""
+    memory_remap: bool = False
+    """Guest RAM may be remapped in place in the VMM process while the machine is paused (what re-basing a
+    diff onto a new flat memory file rests on)."""
     memory_file_layout: str = "file"
     """Where guest RAM lives: ``"file"``: one flat file per machine, mapped shared by a booted machine
     and copy-on-write (private) by a restored one, at :meth:`Machine.memory_layout` in process ``pid``."""
@@ -143,9 +146,14 @@ class ImageLike(Protocol):
 class SpecLike(Protocol):
     """Everything that must be identical between a snapshot's parent and its children."""
 
-    memory_mib: int
-    vcpus: int
-    network_card: bool
+    @property
+    def memory_mib(self) -> int: ...
+
+    @property
+    def vcpus(self) -> int: ...
+
+    @property
+    def network_card(self) -> bool: ...
 
     def fingerprint(self) -> str: ...
 
@@ -154,17 +162,27 @@ class SpecLike(Protocol):
         ...
 
 
+#: The engine's own machine description and image types (QEMU: MachineSpec and Image).
+SpecT = TypeVar("SpecT", bound=SpecLike)
+SpecT_co = TypeVar("SpecT_co", bound=SpecLike, covariant=True)
+ImageT = TypeVar("ImageT", bound=ImageLike)
+
 #: Boots a throwaway machine of ``spec`` and stops it, raising if it does not come up within the timeout.
 #: It may raise the spec's memory (``with_memory``) to what the image needs to boot.
-ProbeBoot = Callable[[Any, float], None]
+ProbeBoot = Callable[[SpecLike, float], None]
 
 
 @runtime_checkable
-class Machine(Protocol):
-    """One running virtual machine, as its VMM process sees it."""
+class Machine(Protocol[SpecT_co]):
+    """One running virtual machine, as its VMM process sees it; generic over the engine's spec type."""
 
     name: str
-    spec: Any
+
+    @property
+    def spec(self) -> SpecT_co:
+        """The machine's description (what its children must match)."""
+        ...
+
     directory: Path
     ram_path: Path
     """The file holding guest RAM (see :meth:`memory_layout`)."""
@@ -238,8 +256,8 @@ class Machine(Protocol):
 
 
 @runtime_checkable
-class Engine(Protocol):
-    """Starts machines of one VMM; one instance per factory."""
+class Engine(Protocol[SpecT, ImageT]):
+    """Starts machines of one VMM; one instance per factory. Generic over its spec and image types."""
 
     name: str
 
@@ -249,50 +267,70 @@ class Engine(Protocol):
         """Why this engine cannot start machines on this host (its VMM is missing...), or None."""
         ...
 
-    def image(self, name: str, *, progress: Callable[[str], None] | None = None) -> Any:
+    def image(self, name: str, *, progress: Callable[[str], None] | None = None) -> ImageT:
         """The guest image called ``name``, built on first use when the engine needs one."""
         ...
 
-    def image_for(self, name: str, key: str | None) -> Any:
+    def image_for(self, name: str, key: str | None) -> ImageT:
         """The exact image a snapshot was taken with (its name and recorded key)."""
         ...
 
     def machine_spec(
-        self, image: Any, *, memory_mib: int, vcpus: int, network_card: bool = False, probe: ProbeBoot | None = None
-    ) -> Any:
+        self, image: ImageT, *, memory_mib: int, vcpus: int, network_card: bool = False, probe: ProbeBoot | None = None
+    ) -> SpecT:
         """The machine for ``image`` at this size; ``probe`` may boot a throwaway machine to pick an accelerator."""
         ...
 
-    def fingerprint(self, image: Any, spec: Any) -> dict[str, str]:
+    def fingerprint(self, image: ImageT, spec: SpecT) -> dict[str, str]:
         """What a snapshot's children must match (VMM version, machine arguments, image)."""
         ...
 
+    def machine_record(self, spec: SpecT) -> dict[str, object]:
+        """The machine of ``spec`` as a snapshot records it (JSON): VMM version, machine, CPU, arguments."""
+        ...
+
     def boot(
-        self, spec: Any, image: Any, *, directory: Path, name: str, ram_path: Path, network: NetworkSpec | None = None
-    ) -> Machine:
+        self,
+        spec: SpecT,
+        image: ImageT,
+        *,
+        directory: Path,
+        name: str,
+        ram_path: Path,
+        network: NetworkSpec | None = None,
+    ) -> Machine[SpecT]:
         """Start a machine from ``image`` with a fresh RAM file ``ram_path`` mapped shared."""
         ...
 
     def restore(
         self,
-        spec: Any,
-        image: Any,
+        spec: SpecT,
+        image: ImageT,
         *,
         directory: Path,
         name: str,
         memory_file: Path,
         network: NetworkSpec | None = None,
-    ) -> Machine:
+    ) -> Machine[SpecT]:
         """Start a paused machine mapping ``memory_file`` copy-on-write, waiting for its device state."""
         ...
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """Facts for benchmark reports and diagnostics (``{"engine": ..., "version": ...}``)."""
         ...
 
 
+@runtime_checkable
+class AcceleratedEngine(Engine[SpecT, ImageT], Protocol):
+    """An engine that chooses between accelerators (hardware virtualisation or binary translation)."""
+
+    def accel_verdict(self, image: ImageT, probe: ProbeBoot | None = None) -> Any:
+        """The accelerator chosen for this host and why (probing with ``probe`` once when not known yet)."""
+        ...
+
+
 # -- finding engines ------------------------------------------------------------------
-def _load(target: str) -> Any:
+def _load(target: str) -> object:
     module_name, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
 
@@ -306,22 +344,29 @@ def engine_names() -> list[str]:
     return sorted(names)
 
 
-def engine_class(name: str) -> Callable[..., Engine]:
+#: An engine as a factory holds it: the specs and images it hands out are passed back to it untouched.
+AnyEngine = Engine[SpecLike, ImageLike]
+#: A machine of such an engine.
+AnyMachine = Machine[SpecLike]
+EngineClass = Callable[..., AnyEngine]
+
+
+def engine_class(name: str) -> EngineClass:
     """The class (or factory) of the engine called ``name``."""
     if name in BUILTIN_ENGINES:
-        return _load(BUILTIN_ENGINES[name])  # type: ignore[no-any-return]
+        return cast(EngineClass, _load(BUILTIN_ENGINES[name]))
     from importlib.metadata import entry_points
 
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         if entry.name == name:
-            return entry.load()  # type: ignore[no-any-return]
+            return cast(EngineClass, entry.load())
     raise ConfigError(
         f"unknown engine {name!r}; known engines: {', '.join(engine_names())}. A third-party engine "
         f"registers through the {ENTRY_POINT_GROUP!r} entry-point group"
     )
 
 
-def make_engine(engine: str | Engine | None = None, **options: Any) -> Engine:
+def make_engine(engine: str | AnyEngine | None = None, **options: object) -> AnyEngine:
     """An engine instance: ``engine`` itself, the engine of that name, or the default (QEMU)."""
     if engine is not None and not isinstance(engine, str):
         return engine

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pytest_forkd import private
-from pytest_forkd.engine.base import Capabilities, EngineError, MemoryLayout, ProbeBoot
+from pytest_forkd.engine.base import Capabilities, Engine, EngineError, MemoryLayout, ProbeBoot
 from pytest_forkd.engine.memory import PAGE_SIZE, pagemap_scan_problem
 from pytest_forkd.engine.network import NetworkError, NetworkSpec
 from pytest_forkd.engine.rundir import private_open
@@ -153,6 +153,9 @@ class FakeEngine:
 
     def fingerprint(self, image: Any, spec: FakeSpec) -> dict[str, str]:
         return {"engine": self.name, "machine": spec.fingerprint(), "image": image.key}
+
+    def machine_record(self, spec: FakeSpec) -> dict[str, Any]:
+        return {"engine": self.name, "memory_mib": spec.memory_mib, "vcpus": spec.vcpus}
 
     def boot(
         self,
@@ -479,3 +482,8 @@ def guest_path(vm: Any, relative: str = "") -> str:
     if not isinstance(machine, FakeMachine):
         raise InvalidArgument(f"VM {vm.name} does not run on the fake engine")
     return str(machine.root / relative) if relative else str(machine.root)
+
+
+def _is_an_engine(engine: FakeEngine) -> Engine[FakeSpec, FakeImage]:
+    """Never called: mypy checks here that FakeEngine has the engine interface (engine/base.py)."""
+    return engine

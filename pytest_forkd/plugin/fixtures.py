@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import pytest
 
@@ -18,10 +18,13 @@ from pytest_forkd.plugin.progress import progress_printer
 from pytest_forkd.plugin.state import run_state, worker_id
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from pytest_forkd.aio import AsyncVM
     from pytest_forkd.core.checkpoint import Checkpoint
     from pytest_forkd.core.trajectory import Trajectory
     from pytest_forkd.core.vm import VM
+    from pytest_forkd.engine.network import NetworkChoice
     from pytest_forkd.latency.budgets import Budget
     from pytest_forkd.project.session import ForkdSession
     from pytest_forkd.project.settings import Settings, VMChoice
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
 #: Operation name of the per-test cost of the ``forkd_vm`` fixture (setup + teardown).
 OP_FIXTURE_OVERHEAD: Final = "fixture_overhead"
 #: Where a ``forkd_dangerous`` test's checkpoint is kept: ``request.node.stash[DANGEROUS_CHECKPOINT]``.
-DANGEROUS_CHECKPOINT: Final = pytest.StashKey["Checkpoint"]()
+DANGEROUS_CHECKPOINT: Final = pytest.StashKey["Checkpoint[VM]"]()
 CHOICE: Final = pytest.StashKey["VMChoice"]()
 TEST_VM: Final = pytest.StashKey["VM"]()
 TEST_VMS: Final = pytest.StashKey["TestVMs"]()
@@ -50,13 +53,20 @@ class TestVMs:
     def __init__(self, session: ForkdSession) -> None:
         self._session = session
         self._vms: list[VM] = []
+        self.backend: str | None = None
+        """The test's storage backend: the default of the VMs started here, as of the test's VM."""
 
-    def fork_snapshot(self, snapshot: Snapshot, n: int, **options: Any) -> list[VM]:
-        children = self._session.factory.fork_snapshot(snapshot, n, **options)
+    def fork_snapshot(self, snapshot: Snapshot, n: int = 1, *, network: NetworkChoice = None) -> list[VM]:
+        children = self._session.factory.fork_snapshot(snapshot, n, network=network)
+        for child in children:
+            child.default_backend = self.backend
         self._vms += children
         return children
 
-    def checkpoint(self, vm: VM, tag: str | None = None, *, backend: str | None = None) -> Checkpoint:
+    def export_snapshot(self, snapshot: Snapshot, destination: Path | str) -> Path:
+        return self._session.factory.export_snapshot(snapshot, destination)
+
+    def checkpoint(self, vm: VM, tag: str | None = None, *, backend: str | None = None) -> Checkpoint[VM]:
         """``vm.checkpoint()``, with the children forked from it started (and later killed) here."""
         checkpoint = vm.checkpoint(tag, backend=backend)
         checkpoint.snapshot = checkpoint.snapshot.with_owner(self)
@@ -111,13 +121,12 @@ def forkd_vm(forkd: ForkdSession, request: pytest.FixtureRequest, _forkd_test_vm
     started = time.perf_counter()
     vm = forkd.child(choice)
     factory = forkd.factory
-    previous_backend, factory.default_backend = factory.default_backend, choice.backend
+    vm.default_backend = _forkd_test_vms.backend = choice.backend  # the test's VMs, not the shared factory
     item.stash[TEST_VM] = vm
     setup_ms = (time.perf_counter() - started - (forkd.build_seconds + forkd.prefill_seconds - session_seconds)) * 1000
     try:
         yield vm
     finally:
-        factory.default_backend = previous_backend
         teardown_started = time.perf_counter()
         factory.close_soon(vm)  # killed now, reaped in the background
         teardown_ms = (time.perf_counter() - teardown_started) * 1000
@@ -157,11 +166,11 @@ def forkd_aparent(forkd_parent: VM) -> AsyncVM:
 @pytest.fixture
 def forkd_checkpoint(
     forkd: ForkdSession, _forkd_test_vms: TestVMs, request: pytest.FixtureRequest
-) -> Callable[..., Checkpoint]:
+) -> Callable[..., Checkpoint[VM]]:
     """``forkd_checkpoint(vm, tag=None)``: ``vm.checkpoint()`` whose forked children die with the test."""
     backend = choice_of(request.node, forkd.settings).backend
 
-    def take(vm: VM, tag: str | None = None) -> Checkpoint:
+    def take(vm: VM, tag: str | None = None) -> Checkpoint[VM]:
         return _forkd_test_vms.checkpoint(vm, tag, backend=backend)
 
     return take
@@ -202,8 +211,8 @@ def forkd_trajectory(forkd_vm: VM) -> Iterator[Trajectory]:
 
 @pytest.fixture
 def forkd_dangerous_checkpoint(
-    forkd_checkpoint: Callable[..., Checkpoint], forkd_vm: VM, request: pytest.FixtureRequest
-) -> Checkpoint:
+    forkd_checkpoint: Callable[..., Checkpoint[VM]], forkd_vm: VM, request: pytest.FixtureRequest
+) -> Checkpoint[VM]:
     """The checkpoint of forkd_vm of a ``forkd_dangerous`` test, taken now."""
     if request.node.get_closest_marker("forkd_dangerous") is None:
         pytest.fail(

@@ -23,7 +23,7 @@ from pytest_forkd.tables import render_table
 
 if TYPE_CHECKING:
     from pytest_forkd.core.vm import VM
-    from pytest_forkd.engine.qemu.accel import AccelVerdict
+    from pytest_forkd.engine.host import AccelVerdict
     from pytest_forkd.latency.budgets import Budget, Violation
     from pytest_forkd.latency.compare import Comparison
     from pytest_forkd.latency.timings import Sample
@@ -45,7 +45,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     state = run_state(config)
     if not state.resolved and not names_forkd(config):
         return ["forkd: default settings, resolved when a test first asks for a VM (-p no:forkd disables the plugin)"]
-    from pytest_forkd.engine.qemu.host import find_qemu
+    from pytest_forkd.engine.host import find_qemu
     from pytest_forkd.errors import HostNotReady
 
     settings = state.settings
@@ -402,8 +402,7 @@ def cached_accel_verdict(settings: Settings) -> AccelVerdict | None:
     """The host's recorded verdict for ``--forkd-accel=auto`` (None: not probed yet, or not auto)."""
     if settings.accel != "auto":
         return None
-    from pytest_forkd.engine.qemu.accel import cached_verdict
-    from pytest_forkd.engine.qemu.host import find_qemu
+    from pytest_forkd.engine.host import cached_verdict, find_qemu
     from pytest_forkd.errors import HostNotReady
 
     try:
@@ -413,7 +412,7 @@ def cached_accel_verdict(settings: Settings) -> AccelVerdict | None:
 
 
 def _qemu_version() -> str | None:
-    from pytest_forkd.engine.qemu.host import find_qemu
+    from pytest_forkd.engine.host import find_qemu
     from pytest_forkd.errors import HostNotReady
 
     try:

@@ -61,7 +61,7 @@ from typing import Any, Final
 
 import yaml
 
-from pytest_forkd.engine.qemu.network import NetworkSpec, network_spec
+from pytest_forkd.engine.network import NetworkSpec, network_spec
 from pytest_forkd.errors import ConfigError, InvalidArgument
 from pytest_forkd.latency.budgets import Budget, budgets_from_config
 from pytest_forkd.paths import BASE_SNAPSHOT as BASE_SNAPSHOT  # re-exported: the project's names for them

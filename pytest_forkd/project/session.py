@@ -213,7 +213,7 @@ class ForkdSession:
         The uffd backend can only branch VMs whose RAM file is on tmpfs, and
         the persistent store usually lives on disk.
         """
-        from pytest_forkd.engine.qemu.host import filesystem_type
+        from pytest_forkd.engine.memory import filesystem_type
         from pytest_forkd.project.snapshot_builder import publish_copy
         from pytest_forkd.storage.backend import registry
 

@@ -55,7 +55,7 @@ def _snapshot_name(value: str, where: str) -> str:
 
 
 def _accel(value: str, where: str) -> str:
-    from pytest_forkd.engine.qemu.accel import ACCELS  # the engine loads when a value is checked, not with pytest
+    from pytest_forkd.engine.host import ACCELS  # the engine loads when a value is checked, not with pytest
 
     if value not in ACCELS:
         raise ConfigError(f"{where}: expected one of {', '.join(ACCELS)}, got {value!r}")

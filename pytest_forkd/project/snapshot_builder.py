@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Final, Literal
 from pytest_forkd import private
 from pytest_forkd.core import branching
 from pytest_forkd.engine.memory import copy_sparse
-from pytest_forkd.engine.qemu.network import NetworkSpec
+from pytest_forkd.engine.network import NetworkSpec
 from pytest_forkd.errors import ConfigError, DamagedSnapshot, InvalidArgument, SnapshotError
 from pytest_forkd.guest.exec_result import ExecResult
 from pytest_forkd.image import Image, ensure_image

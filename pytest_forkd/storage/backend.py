@@ -43,10 +43,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pluggy
 
+from pytest_forkd.engine.base import Capabilities
 from pytest_forkd.errors import BackendError
+from pytest_forkd.storage.store import resolve_base as resolve_base  # where backends find it
 
 if TYPE_CHECKING:
-    from pytest_forkd.engine.base import Capabilities, ImageLike, Machine
+    from pytest_forkd.engine.base import AnyMachine, ImageLike
     from pytest_forkd.storage.snapshot import Snapshot
     from pytest_forkd.storage.store import SnapshotStore
 
@@ -75,12 +77,14 @@ class CaptureSource:
     (None for a root VM, whose RAM file is its own and mutable).
     """
 
-    machine: "Machine"
+    machine: "AnyMachine"
     base: "Snapshot | None"
     store: "SnapshotStore"
     image: "ImageLike"
     ping: Callable[[], object]
     """A round trip to the guest agent: how a live backend measures the pause the guest saw."""
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    """What the engine running the machine can do (a backend asks these instead of probing the machine)."""
 
 
 @dataclass
@@ -141,7 +145,7 @@ class StorageBackend:
         """
         raise NotImplementedError
 
-    def prepare_child(self, snapshot: "Snapshot", machine: "Machine", store: "SnapshotStore") -> None:
+    def prepare_child(self, snapshot: "Snapshot", machine: "AnyMachine", store: "SnapshotStore") -> None:
         """Fill in a child's memory before its device state is loaded (diffs apply pages here)."""
 
     def published(self, snapshot: "Snapshot", store: "SnapshotStore") -> None:
@@ -166,29 +170,6 @@ class StorageBackend:
                 reason = self.unavailable_reason()  # the backend's own host check
         if reason:
             raise BackendError(f"storage backend {self.id!r} is unavailable on this host: {reason}")
-
-
-def resolve_base(snapshot: "Snapshot", store: "SnapshotStore") -> "Snapshot":
-    """The snapshot whose flat memory ``snapshot``'s diff applies to.
-
-    A session's checkpoints live in a store on /dev/shm while their base may be
-    a persistent snapshot in the user cache, so the base's directory is kept
-    in ``extra["base_dir"]`` and used when the store does not hold the tag.
-    """
-    from pytest_forkd.storage.snapshot import Snapshot
-
-    if snapshot.base is None:
-        raise BackendError(f"snapshot {snapshot.tag!r} has neither a memory file nor a base")
-    if store.exists(snapshot.base):
-        return store.get(snapshot.base)
-    base_dir = snapshot.extra.get("base_dir")
-    if base_dir and Path(base_dir).is_dir():
-        return Snapshot.load_from(Path(base_dir))
-    raise BackendError(
-        f"base {snapshot.base!r} of snapshot {snapshot.tag!r} is gone (not in {store.root}"
-        + (f" nor at {base_dir}" if base_dir else "")
-        + "); take the snapshot again"
-    )
 
 
 STATE_FILE = "state.bin"

@@ -9,16 +9,17 @@ Only its metadata is rewritten, by the store, when memory written in the
 background arrives: the status goes from ``writing`` to ``ready`` or
 ``failed``, or a diff gains flat memory of its own.
 
-The record does not know how to start VMs. A session attaches itself as the
-record's *owner*, which is what makes :meth:`Snapshot.fork` work; records read
-straight from disk are detached.
+The record is plain data: it does not know how to start VMs or write
+archives. The factory that took or restored it attaches itself as the record's
+*owner* (a :class:`SnapshotOwner`), and :meth:`Snapshot.fork` and
+:meth:`Snapshot.export` hand the record to it; records read straight from
+disk are detached.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
 import os
 import socket
@@ -50,26 +51,23 @@ STATUSES: tuple[str, ...] = typing.get_args(SnapshotStatus)
 _NOT_SERIALISED = frozenset({"path", "owner"})
 # Optional fields left out of snapshot.json when unset, so that readers which
 # predate them still read the records that do not use them.
-_OMITTED_WHEN_NONE = frozenset({"network"})
+_OMITTED_WHEN_NONE = frozenset({"network", "machine"})
 
 
 class SnapshotOwner(Protocol):
-    """Whatever can start child VMs from a snapshot (the forkd session)."""
+    """What starts child VMs from a snapshot and writes its archives (a :class:`~pytest_forkd.core.factory.VMFactory`).
 
-    def fork_snapshot(self, snapshot: Snapshot, n: int) -> list[Any]:
+    ``network`` is whatever the owner accepts as a network policy (the
+    factory's ``NetworkChoice``); the record passes it through untouched.
+    """
+
+    def fork_snapshot(self, snapshot: Snapshot, n: int = 1, *, network: Any = None) -> list[Any]:
         """Start ``n`` copy-on-write children of ``snapshot`` and return their handles."""
         ...
 
-
-#: The archive writer, named rather than imported: it lives a layer above the record (it needs the image
-#: catalog and the engine's facts), and a record must not import the layers that use it.
-ARCHIVE_EXPORTER = "pytest_forkd.core.archive:export_snapshot"
-
-
-def _plug_point(target: str) -> Any:
-    """The function ``"module:name"`` names, imported when first needed."""
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    def export_snapshot(self, snapshot: Snapshot, destination: Path | str) -> Path:
+        """Write ``snapshot`` with its image into the archive ``destination``; return its path."""
+        ...
 
 
 def utc_now_iso() -> str:
@@ -155,6 +153,10 @@ class Snapshot:
 
     Children are restored with it: a VM with a network card cannot be restored
     without one, nor the other way round (the device sets must match)."""
+    machine: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
+    """The machine the snapshot was taken on, as its engine describes it (for QEMU: ``qemu_version``,
+    ``machine``, ``cpu_model``, ``accel``, ``machine_args``, ``machine_fingerprint``): what an archive
+    tells the importing host. None in records written before it was kept."""
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     """Free-form JSON-serialisable details: pagemap statistics, environment, recipe hash."""
     owner: SnapshotOwner | None = dataclasses.field(default=None, compare=False, repr=False, hash=False)
@@ -212,22 +214,24 @@ class Snapshot:
         return dataclasses.replace(self, owner=owner)
 
     def fork(self, n: int = 1, *, network: Any = None) -> list[Any]:
-        """Start ``n`` copy-on-write children of this snapshot through the owning session.
+        """Start ``n`` copy-on-write children of this snapshot (the owner, a factory, starts them).
 
         ``network`` gives the children another network policy than the
         snapshot's (mode, allowed host ports, forwards); whether there is a
         network card at all is fixed by the snapshot.
         """
+        return self._owner("start VMs").fork_snapshot(self, n, network=network)
+
+    def _owner(self, what: str, otherwise: str = "") -> SnapshotOwner:
+        """The owner that does ``what`` for this record; SnapshotError saying how to attach one if none."""
         if self.owner is None:
             raise SnapshotError(
-                f"snapshot record {self.tag!r} is not attached to a session, so it cannot start VMs: "
+                f"snapshot record {self.tag!r} is not attached to a session, so it cannot {what}: "
                 "records read straight from a SnapshotStore are detached; take the snapshot from "
                 "the forkd session (its fixtures hand out attached records) or attach one with "
-                "snapshot.with_owner(session)"
+                "snapshot.with_owner(session.factory)" + otherwise
             )
-        if network is not None:
-            return self.owner.fork_snapshot(self, n, network=network)  # type: ignore[call-arg]
-        return self.owner.fork_snapshot(self, n)
+        return self.owner
 
     def wait_ready(self, timeout: float | None = None) -> Snapshot:
         """Block until the memory is materialised and return the refreshed record.
@@ -275,10 +279,11 @@ class Snapshot:
 
         Another host (or a fresh cache) imports it with
         :func:`pytest_forkd.import_snapshot` or ``forkd snapshots import`` and forks
-        from it without building anything. See :mod:`pytest_forkd.core.archive`.
+        from it without building anything. See :mod:`pytest_forkd.core.archive`
+        (:func:`pytest_forkd.export_snapshot` exports a detached record).
         """
-        written: Path = _plug_point(ARCHIVE_EXPORTER)(self, path).path
-        return written
+        owner = self._owner("write an archive", ", or export it with pytest_forkd.export_snapshot(snapshot, path)")
+        return owner.export_snapshot(self, path)
 
     def save_to(self, directory: Path | str) -> Path:
         """Write ``snapshot.json`` into ``directory`` atomically and return its path.

@@ -42,7 +42,14 @@ import filelock
 
 from pytest_forkd import paths, private
 from pytest_forkd.engine import space
-from pytest_forkd.errors import DamagedSnapshot, IncompatibleSnapshot, InvalidArgument, SnapshotError, UnknownSnapshot
+from pytest_forkd.errors import (
+    BackendError,
+    DamagedSnapshot,
+    IncompatibleSnapshot,
+    InvalidArgument,
+    SnapshotError,
+    UnknownSnapshot,
+)
 from pytest_forkd.paths import validate_tag
 from pytest_forkd.storage import integrity
 from pytest_forkd.storage.snapshot import SNAPSHOT_FILE, Snapshot, process_is_alive, this_host, writer_is_alive
@@ -489,8 +496,6 @@ class SnapshotStore:
         """
         self._verify_one(snapshot, full=False)
         if snapshot.base is not None and snapshot.memory_file is None:
-            from pytest_forkd.storage.backend import resolve_base
-
             base = resolve_base(snapshot, self)
             SnapshotStore(base.path.parent, clean=False)._verify_one(base, full=False, needed_by=snapshot.tag)
 
@@ -790,3 +795,24 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def resolve_base(snapshot: Snapshot, store: SnapshotStore) -> Snapshot:
+    """The snapshot whose flat memory ``snapshot``'s diff applies to.
+
+    A session's checkpoints live in a store on /dev/shm while their base may be
+    a persistent snapshot in the user cache, so the base's directory is kept
+    in ``extra["base_dir"]`` and used when the store does not hold the tag.
+    """
+    if snapshot.base is None:
+        raise BackendError(f"snapshot {snapshot.tag!r} has neither a memory file nor a base")
+    if store.exists(snapshot.base):
+        return store.get(snapshot.base)
+    base_dir = snapshot.extra.get("base_dir")
+    if base_dir and Path(base_dir).is_dir():
+        return Snapshot.load_from(Path(base_dir))
+    raise BackendError(
+        f"base {snapshot.base!r} of snapshot {snapshot.tag!r} is gone (not in {store.root}"
+        + (f" nor at {base_dir}" if base_dir else "")
+        + "); take the snapshot again"
+    )

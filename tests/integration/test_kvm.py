@@ -42,7 +42,7 @@ def test_the_probe_gives_a_verdict_with_its_reason_caches_it_and_reuses_it(
         assert verdict.reason == "KVM probe booted a guest"
     else:
         assert verdict.accel == "tcg" and verdict.reason.startswith("KVM unusable: "), verdict.reason
-    entry = json.loads(cache.read_text())[f"{kernel_release()}|{factory.qemu.version}"]
+    entry = json.loads(cache.read_text())[f"{kernel_release()}|{factory.engine.describe()['version']}"]
     assert (entry["accel"], entry["reason"]) == (verdict.accel, verdict.reason)
     again = VMFactory(accel="auto")
     try:

@@ -23,7 +23,7 @@ from pytest_forkd.storage.store import SnapshotStore
 
 INSIDE = r"""
 import json, sys
-from pytest_forkd.core.archive import import_snapshot
+from pytest_forkd import import_snapshot
 from pytest_forkd.errors import ForkdError
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.project.config import EMPTY_PROJECT
@@ -67,7 +67,7 @@ def test_a_read_only_store_is_restored_from_and_never_written(
     shared = tmp_path / "shared"
     snapshot = publish_copy(base_snapshot, SnapshotStore(shared), "shared-base")
     archive = tmp_path / "shared-base.forkd.tar.zst"
-    snapshot.export(archive)
+    snapshot.with_owner(factory).export(archive)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     before = listing(shared)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_forkd import import_snapshot
 from pytest_forkd.cli import main
 from pytest_forkd.core import archive
-from pytest_forkd.core.archive import import_snapshot
 from pytest_forkd.engine.qemu.host import Qemu
 from pytest_forkd.engine.qemu.machine import MachineSpec
 from pytest_forkd.errors import ArchiveError, HostNotReady, IncompatibleSnapshot, SnapshotError
@@ -81,7 +81,7 @@ def sha256(path: Path) -> str:
 def exported(cache: Path, tmp_path: Path) -> tuple[Snapshot, Path]:
     snapshot = make_snapshot(SnapshotStore(tmp_path / "origin"))
     path = tmp_path / "snap.forkd.tar.zst"
-    snapshot.export(path)
+    archive.export_snapshot(snapshot, path)
     return snapshot, path
 
 
@@ -133,6 +133,30 @@ def test_the_manifest_names_what_a_restore_depends_on(exported: tuple[Snapshot, 
     assert all(entry["checksum"].startswith("crc32-1MiB:") for entry in manifest["files"])
     # the snapshot's data files carry the checksums the store recorded: nothing was checksummed twice
     assert memory["checksum"] == _original.files["memory.ram"]["checksum"]
+
+
+def test_the_machine_a_snapshot_recorded_is_what_the_archive_says(cache: Path, tmp_path: Path) -> None:
+    legacy = make_snapshot(SnapshotStore(tmp_path / "origin"), "legacy")
+    spec = MachineSpec(qemu=QEMU, accel="tcg", memory_mib=4, vcpus=1, kernel_args=("x=1",))
+    assert legacy.machine is None  # written before records kept their machine: derived from its hash
+    derived = archive._machine_of(legacy, ("x=1",))
+    assert derived["machine_args"] == spec.machine_args() and derived["accel"] == "tcg"
+
+    # A record that keeps its machine is exported as recorded, without rebuilding command lines.
+    recorded = {**spec.record(), "machine_args": [*spec.machine_args(), "-recorded"]}
+    store = SnapshotStore(tmp_path / "recorded")
+    with store.begin("kept") as pending:
+        (pending.dir / "state.bin").write_bytes(b"s" * 100)
+        (pending.dir / "memory.ram").write_bytes(bytes(MEMORY))
+        kept = pending.publish(legacy.replace(tag="kept", path=pending.dir, machine=recorded, files={}))
+    assert Snapshot.load_from(kept.path).machine == recorded  # survives snapshot.json
+    path = tmp_path / "kept.forkd.tar.zst"
+
+    archive.export_snapshot(kept, path)
+
+    manifest = archive.read_archive_manifest(path)
+    assert manifest["machine_args"] == recorded["machine_args"]
+    assert manifest["qemu_version"] == "7.2.0" and manifest["cpu_model"] == recorded["cpu_model"]
 
 
 def test_the_image_travels_and_gets_its_name(
@@ -280,7 +304,7 @@ def test_a_diff_snapshot_is_exported_flat(cache: Path, tmp_path: Path) -> None:
         )
     path = tmp_path / "child.forkd.tar.zst"
 
-    child.export(path)
+    archive.export_snapshot(child, path)
     imported = import_snapshot(path, store=tmp_path / "target")
 
     data = imported.memory_path.read_bytes()
@@ -298,7 +322,7 @@ def test_an_export_needs_the_snapshots_image(cache: Path, tmp_path: Path) -> Non
     (cache / "images" / KEY).rmdir()
 
     with pytest.raises(ArchiveError, match=f"needs image {KEY}, which is not in"):
-        snapshot.export(tmp_path / "x.forkd.tar.zst")
+        archive.export_snapshot(snapshot, tmp_path / "x.forkd.tar.zst")
     assert not list(tmp_path.glob("*x.forkd.tar.zst*"))
 
 
@@ -400,8 +424,8 @@ def test_a_projects_snapshot_is_imported_into_the_importing_projects_namespace(
     own = make_snapshot(lifecycle.project_store(tmp_path / "origin-store", origin_project), "tools")
     shared = make_snapshot(SnapshotStore(tmp_path / "origin-store"), "base")
     own_archive, shared_archive = tmp_path / "tools.forkd.tar.zst", tmp_path / "base.forkd.tar.zst"
-    own.export(own_archive)
-    shared.export(shared_archive)
+    archive.export_snapshot(own, own_archive)
+    archive.export_snapshot(shared, shared_archive)
     root = tmp_path / "target-store"
 
     monkeypatch.chdir(target_project)  # run from the project, as the matrix example does

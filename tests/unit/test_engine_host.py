@@ -50,3 +50,17 @@ def test_a_binary_without_a_version_is_refused(tmp_path: Path, monkeypatch: pyte
 
     with pytest.raises(HostNotReady, match="printed no version"):
         find_qemu()
+
+
+def test_a_qemu_replaced_at_the_same_path_is_asked_its_version_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FORKD_QEMU", str(fake_qemu(tmp_path, "QEMU emulator version 8.2.2")))
+    assert find_qemu().version == "8.2.2"
+
+    replacement = tmp_path / "new" / "qemu-system-x86_64"
+    replacement.parent.mkdir()
+    fake_qemu(replacement.parent, "QEMU emulator version 9.1.2")
+    replacement.replace(tmp_path / "qemu-system-x86_64")  # a new file (inode) under the same name
+
+    assert find_qemu().version == "9.1.2"

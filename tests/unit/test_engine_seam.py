@@ -197,6 +197,51 @@ def test_only_the_qemu_engine_imports_qmp() -> None:
     assert offenders == []
 
 
+#: Modules outside engine/ still allowed to import the QEMU engine, with why; meant to shrink to nothing
+#: (an entry that no longer does fails the test).
+QEMU_IMPORTS_ALLOWED: dict[str, str] = {}
+
+
+def test_no_module_outside_the_engine_imports_the_qemu_engine() -> None:
+    """The CLI, the plugin, the project and the core ask the engine (engine/base.py, engine/host.py...)."""
+    offenders = {
+        name: sorted(t for t in targets if t == QEMU_PACKAGE or t.startswith(QEMU_PACKAGE + "."))
+        for name, targets in import_graph().items()
+        if not name.startswith("pytest_forkd.engine")
+    }
+    offenders = {name: qemu for name, qemu in offenders.items() if qemu}
+    assert sorted(set(offenders) - set(QEMU_IMPORTS_ALLOWED)) == [], offenders
+    assert sorted(set(QEMU_IMPORTS_ALLOWED) - set(offenders)) == [], "remove from QEMU_IMPORTS_ALLOWED"
+
+
+def _probes_for_qemu(path: Path) -> bool:
+    """Whether the module asks an object whether it is QEMU's: ``hasattr(x, "qmp")``, ``getattr(x, "qemu")``."""
+    for node in ast.walk(parsed(path)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+            names = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if any(name.lower() in ("qmp", "qemu") for name in names):
+                return True
+    return any(text.lower() == "qmp" for text in _string_constants(path))
+
+
+def test_no_module_outside_the_engine_asks_whether_a_machine_or_engine_is_qemu() -> None:
+    """Whether a machine has a QEMU monitor is the engine's business: callers ask its capabilities."""
+    offenders = sorted(
+        name
+        for name, path in sources().items()
+        if not name.startswith("pytest_forkd.engine") and _probes_for_qemu(path)
+    )
+    assert offenders == []
+
+
+def test_the_qemu_probe_check_finds_a_probe(tmp_path: Path) -> None:
+    probing, asking = tmp_path / "probing.py", tmp_path / "asking.py"
+    probing.write_text("def f(machine):\n    return hasattr(machine, 'qmp')\n")
+    asking.write_text("def f(source):\n    return source.capabilities.memory_remap\n")
+    assert _probes_for_qemu(probing)
+    assert not _probes_for_qemu(asking)
+
+
 @pytest.mark.parametrize("user", ENGINE_USERS)
 def test_vm_driving_modules_reach_the_engine_through_its_interface_only(user: str) -> None:
     offenders = {
@@ -235,3 +280,11 @@ def test_no_module_outside_the_qemu_engine_names_a_qmp_command_or_qemu_flag() ->
         if hits:
             offenders[name] = hits
     assert offenders == {}
+
+
+def test_the_engine_interface_is_typed() -> None:
+    """Specs and images are the engine's own types (Engine and Machine are generic over them), not Any."""
+    names = [node.id for node in ast.walk(parsed(PACKAGE / "engine" / "base.py")) if isinstance(node, ast.Name)] + [
+        node.attr for node in ast.walk(parsed(PACKAGE / "engine" / "base.py")) if isinstance(node, ast.Attribute)
+    ]
+    assert names.count("Any") <= 3

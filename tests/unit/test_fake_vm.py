@@ -173,8 +173,31 @@ def test_background_processes_of_the_guest_pause_with_it_and_die_with_it(base: S
             assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_qemu_facts_of_a_fake_factory_are_a_clear_error(factory: VMFactory) -> None:
-    with pytest.raises(ConfigError, match="runs the fake engine, which has no QEMU's binary"):
-        _ = factory.qemu
-    with pytest.raises(ConfigError, match="no accelerator"):
+def test_the_accelerator_of_a_fake_factory_is_a_clear_error(factory: VMFactory) -> None:
+    assert factory.engine.describe()["engine"] == "fake"
+    with pytest.raises(ConfigError, match="runs the fake engine, which has no accelerator choice"):
         factory.accel_verdict(factory.engine.image("default"))
+
+
+def test_a_snapshot_records_its_machine_as_the_engine_describes_it(vm: VM) -> None:
+    snapshot = vm.branch()
+
+    assert snapshot.machine == {"engine": "fake", "memory_mib": vm.memory_mib, "vcpus": 1}
+    assert Snapshot.load_from(snapshot.path).machine == snapshot.machine
+    (child,) = snapshot.fork(1)
+    with child:
+        assert child.origin is not None and child.origin.machine == snapshot.machine
+
+
+def test_a_vms_default_backend_is_its_own_and_its_forks(vm: VM) -> None:
+    factory_default = vm.factory.default_backend
+    other = "full" if factory_default != "full" else "diff"
+    vm.default_backend = other
+
+    snapshot = vm.branch()
+    children = vm.fork(1)
+
+    assert snapshot.backend == other
+    assert vm.factory.default_backend == factory_default  # the shared factory is left alone
+    with children[0] as child:
+        assert child.default_backend == other

@@ -3,7 +3,9 @@
 The import graph is read with :mod:`ast` from every module of ``pytest_forkd``
 and of the built-in ``backends`` (installed as ``forkd_backends``), counting
 every import, including those inside functions (a lazy import is still a
-dependency), except the ones under ``if TYPE_CHECKING:`` (they never run).
+dependency). The layer check leaves out the imports under ``if TYPE_CHECKING:``
+(they never run); the circle check counts them too, because a module that names
+another's types for the checker depends on it as much as one that calls it.
 
 The layers, bottom to top (a module may import its own layer and any layer
 below it; docs/ARCHITECTURE.md draws them):
@@ -83,23 +85,23 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node except the bodies of ``if TYPE_CHECKING:`` (their ``else`` still runs)."""
+def _runtime_nodes(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.AST]:
+    """Every node except the bodies of ``if TYPE_CHECKING:`` (their ``else`` still runs), or every node."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package modules ``name`` imports at run time (absolute names)."""
+def imports_of(name: str, path: Path, known: set[str], type_checking: bool = False) -> set[str]:
+    """The package modules ``name`` imports at run time (absolute names), or for the type checker too."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -134,10 +136,10 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     files = dict(module_files())
     known = set(files)
-    return {name: imports_of(name, path, known) for name, path in files.items()}
+    return {name: imports_of(name, path, known, type_checking) for name, path in files.items()}
 
 
 def layer_of(module: str) -> int | None:
@@ -258,6 +260,28 @@ def test_no_import_circle(graph: dict[str, set[str]]) -> None:
     pruned = {name: targets - {b for a, b in ALLOWED_BACK_EDGES if a == name} for name, targets in graph.items()}
     found = cycles(pruned)
     assert not found, "import circles:\n" + "\n".join("  " + " <-> ".join(c) for c in found)
+
+
+def test_no_import_circle_counting_type_checking_imports() -> None:
+    found = cycles(import_graph(type_checking=True))
+    assert not found, "import circles (counting imports under TYPE_CHECKING):\n" + "\n".join(
+        "  " + " <-> ".join(c) for c in found
+    )
+
+
+def test_the_graph_counts_type_checking_imports_when_asked(tmp_path: Path) -> None:
+    module = tmp_path / "mod.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from pytest_forkd.core import vm\n"
+        "else:\n    from pytest_forkd.storage import sibling\n"
+    )
+    known = {"pytest_forkd.core", "pytest_forkd.core.vm", "pytest_forkd.storage", "pytest_forkd.storage.sibling"}
+    assert imports_of("pytest_forkd.core.mod", module, known) == {"pytest_forkd.storage.sibling"}
+    assert imports_of("pytest_forkd.core.mod", module, known, type_checking=True) == {
+        "pytest_forkd.core.vm",
+        "pytest_forkd.storage.sibling",
+    }
 
 
 def test_the_circle_check_finds_a_circle() -> None:

@@ -57,10 +57,17 @@ def saved_json(tmp_path: Path) -> dict[str, Any]:
 class RecordingOwner:
     def __init__(self) -> None:
         self.calls: list[tuple[Snapshot, int]] = []
+        self.network: list[Any] = []
+        self.exports: list[tuple[Snapshot, Path | str]] = []
 
-    def fork_snapshot(self, snapshot: Snapshot, n: int) -> list[Any]:
+    def fork_snapshot(self, snapshot: Snapshot, n: int = 1, *, network: Any = None) -> list[Any]:
         self.calls.append((snapshot, n))
+        self.network.append(network)
         return [f"vm{i}" for i in range(n)]
+
+    def export_snapshot(self, snapshot: Snapshot, destination: Path | str) -> Path:
+        self.exports.append((snapshot, destination))
+        return Path(destination)
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
@@ -254,6 +261,30 @@ def test_fork_delegates_to_the_owner(tmp_path: Path) -> None:
 
     assert children == ["vm0", "vm1", "vm2"]
     assert owner.calls == [(snapshot, 3)]
+    assert owner.network == [None]
+
+
+def test_fork_passes_the_network_policy_to_the_owner(tmp_path: Path) -> None:
+    owner = RecordingOwner()
+    snapshot = make_snapshot(tmp_path).with_owner(owner)
+
+    snapshot.fork(1, network="outbound")
+
+    assert owner.network == ["outbound"]
+
+
+def test_export_is_the_owners_job(tmp_path: Path) -> None:
+    owner = RecordingOwner()
+    snapshot = make_snapshot(tmp_path).with_owner(owner)
+
+    assert snapshot.export(tmp_path / "a.forkd.tar.zst") == tmp_path / "a.forkd.tar.zst"
+    assert owner.exports == [(snapshot, tmp_path / "a.forkd.tar.zst")]
+
+
+def test_export_without_owner_names_the_function_for_detached_records(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match="cannot write an archive.*export_snapshot") as caught:
+        make_snapshot(tmp_path).export(tmp_path / "a.forkd.tar.zst")
+    assert "with_owner" in str(caught.value)
 
 
 def test_unserialisable_extra_is_reported_with_a_fix(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.engine import memory
-from pytest_forkd.engine.qemu.accel import AccelVerdict
+from pytest_forkd.engine.host import AccelVerdict
 from pytest_forkd.latency.stats import summarize
 from pytest_forkd.waiting import poll_until
 
@@ -71,7 +71,7 @@ def _conditions(factory: VMFactory, plan: BenchPlan, verdict: AccelVerdict) -> d
         "host": platform.node(),
         "kernel": platform.release(),
         "cpus": os.cpu_count(),
-        "qemu": factory.qemu.version,
+        "qemu": factory.engine.describe()["version"],
         "accel": verdict.accel,
         "accel_reason": verdict.reason,
         "store": "run directory on " + str(factory.run_dir.path.parent),

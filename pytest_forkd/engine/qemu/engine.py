@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from pytest_forkd.engine.base import Capabilities, ProbeBoot
+from pytest_forkd.engine.base import AcceleratedEngine, Capabilities, ProbeBoot
 from pytest_forkd.engine.memory import pagemap_scan_problem
 from pytest_forkd.engine.network import NetworkSpec
 from pytest_forkd.engine.qemu.accel import PROBE_TIMEOUT_S, AccelVerdict, resolve_accel, validate_accel
@@ -58,6 +58,7 @@ class QemuEngine:
             uffd_write_protect=uffd is None,
             incoming_restore=True,
             network=True,
+            memory_remap=True,
             memory_file_layout="file",
             reasons=reasons,
             engine="qemu",
@@ -130,6 +131,9 @@ class QemuEngine:
             fingerprint["host_cpu"] = host_cpu_id()
         return fingerprint
 
+    def machine_record(self, spec: MachineSpec) -> dict[str, Any]:
+        return spec.record()
+
     def boot(
         self,
         spec: MachineSpec,
@@ -180,3 +184,8 @@ class QemuEngine:
         if self._verdict is not None:
             facts.update(accel=self._verdict.accel, accel_reason=self._verdict.reason)
         return facts
+
+
+def _is_an_engine(engine: QemuEngine) -> AcceleratedEngine[MachineSpec, Any]:
+    """Never called: mypy checks here that QemuEngine has the engine interface (engine/base.py)."""
+    return engine

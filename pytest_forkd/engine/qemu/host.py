@@ -54,8 +54,18 @@ def qemu_binary() -> str:
     return found
 
 
-@functools.lru_cache(maxsize=8)
 def _version_of(binary: str) -> str:
+    """The version ``binary`` reports, asked once per file: a binary replaced in place is asked again."""
+    try:
+        status = os.stat(binary)
+    except OSError:
+        return _asked_version(binary, None)
+    return _asked_version(binary, (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _asked_version(binary: str, identity: tuple[int, int, int, int] | None) -> str:
+    """``binary --version``, cached by path and file identity (device, inode, size, modification time)."""
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:

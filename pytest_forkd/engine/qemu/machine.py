@@ -120,6 +120,18 @@ class MachineSpec:
         base = ["console=ttyS0", "quiet", "panic=-1", "reboot=t", f"tsc_early_khz={tsc_khz()}", "tsc=reliable"]
         return " ".join(base + list(self.kernel_args))
 
+    def record(self) -> dict[str, Any]:
+        """What a snapshot (and an archive made of it) records about this machine, as JSON."""
+        args = self.machine_args()
+        return {
+            "qemu_version": self.qemu.version,
+            "machine": args[args.index("-M") + 1].split(",")[0],
+            "cpu_model": args[args.index("-cpu") + 1],
+            "accel": self.accel,
+            "machine_args": args,
+            "machine_fingerprint": self.fingerprint(),
+        }
+
     def fingerprint(self) -> str:
         """Hash of what a snapshot depends on: QEMU version and machine arguments.
 
@@ -131,6 +143,54 @@ class MachineSpec:
         portable_append = [word for word in self.append_line().split() if not word.startswith("tsc_early_khz=")]
         text = "\0".join([self.qemu.version, *self.machine_args(), " ".join(portable_append)])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def machine_record(
+    qemu: Qemu, *, accel: str, memory_mib: int, vcpus: int, kernel_args: tuple[str, ...], network_card: bool
+) -> dict[str, Any]:
+    """The record (:meth:`MachineSpec.record`) of the machine these arguments make with ``qemu``."""
+    return MachineSpec(
+        qemu=qemu,
+        accel=accel,
+        memory_mib=memory_mib,
+        vcpus=vcpus,
+        kernel_args=kernel_args,
+        network_card=network_card,
+    ).record()
+
+
+def machine_record_of_hash(
+    machine_hash: str | None,
+    versions: list[str],
+    *,
+    memory_mib: int,
+    vcpus: int,
+    kernel_args: tuple[str, ...],
+    network_card: bool,
+) -> dict[str, Any] | None:
+    """The record of the machine whose :meth:`MachineSpec.fingerprint` is ``machine_hash``, or None.
+
+    For snapshots written before records kept their machine: the candidates
+    (each QEMU version of ``versions``, both accelerators) are hashed until one matches.
+    """
+    for version in filter(None, versions):
+        for accel in ("tcg", "kvm"):
+            record = machine_record(
+                Qemu("qemu-system-x86_64", version),
+                accel=accel,
+                memory_mib=memory_mib,
+                vcpus=vcpus,
+                kernel_args=kernel_args,
+                network_card=network_card,
+            )
+            if record["machine_fingerprint"] == machine_hash:
+                return record
+    return None
+
+
+def has_network_card(machine_args: list[str]) -> bool:
+    """Whether machine arguments (a record's ``machine_args``) give the machine a network card."""
+    return net.device_args(net.NetworkSpec("outbound"))[-1] in machine_args
 
 
 @dataclass
