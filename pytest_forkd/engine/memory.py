@@ -390,8 +390,13 @@ def free_page_reporting(sysfs: Path = Path("/sys")) -> bool:
 
 def filesystem_type(path: str | os.PathLike[str]) -> str:
     """Type of the filesystem holding ``path`` (``tmpfs``, ``ext4``...), from /proc/self/mounts."""
+    return mount_of(path)[1]
+
+
+def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """The mount point holding ``path`` and its filesystem type, from /proc/self/mounts (``unknown`` if unreadable)."""
     target = os.path.realpath(path)
-    best, best_type = "", "unknown"
+    best, best_type = "/", "unknown"
     try:
         with open("/proc/self/mounts") as mounts:
             for line in mounts:
@@ -404,4 +409,4 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
                     best, best_type = mount_point, fields[2]
     except OSError:
         pass
-    return best_type
+    return best, best_type

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HostNotReady
+from .memory import mount_of
 
 MIB = 1 << 20
 #: Errors of a write that found no room: the filesystem is full, or the user's quota is.
@@ -55,29 +56,11 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
-def _mount_of(path: Path) -> tuple[str, str]:
-    target = os.path.realpath(path)
-    best, best_type = "/", "unknown"
-    try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount_point = fields[1].replace("\\040", " ")
-                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) >= len(best):
-                    best, best_type = mount_point, fields[2]
-    except OSError:
-        pass
-    return best, best_type
-
-
 def filesystem_of(path: str | os.PathLike[str]) -> Filesystem:
     """The filesystem that holds (or will hold) ``path``, with its free space for this user."""
     existing = existing_ancestor(Path(path))
     info = os.statvfs(existing)
-    mount_point, kind = _mount_of(existing)
+    mount_point, kind = mount_of(existing)
     return Filesystem(
         path=Path(path),
         mount_point=mount_point,

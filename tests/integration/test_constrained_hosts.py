@@ -11,8 +11,10 @@ is room again.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -58,7 +60,15 @@ class SmallFs:
 
 
 @pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[type[SmallFs]]:
+def short_tmp() -> Iterator[Path]:
+    """A scratch directory with a short path: run directories under it hold Unix sockets (107 bytes at most)."""
+    path = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path, short_tmp: Path) -> Iterator[type[SmallFs]]:  # unmounted before short_tmp goes
     """Mount small tmpfs filesystems (``small_fs(path, size_mib)``); each is unmounted at the end."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
@@ -75,9 +85,9 @@ def small_fs(tmp_path: Path) -> Iterator[type[SmallFs]]:
 
 
 def test_a_runtime_directory_too_small_for_guest_ram_is_refused_in_one_line(
-    small_fs: type[SmallFs], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_fs: type[SmallFs], short_tmp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shm = small_fs(tmp_path / "shm", 64)
+    shm = small_fs(short_tmp / "shm", 64)
     monkeypatch.setenv("FORKD_SHM_DIR", str(shm.path / "forkd"))
     factory = VMFactory()
     try:
@@ -92,8 +102,10 @@ def test_a_runtime_directory_too_small_for_guest_ram_is_refused_in_one_line(
     assert list(shm.path.iterdir()) == []  # the run directory went with the factory
 
 
-def test_doctor_flags_a_small_runtime_filesystem_with_the_fix(small_fs: type[SmallFs], tmp_path: Path) -> None:
-    shm = small_fs(tmp_path / "shm", 64)
+def test_doctor_flags_a_small_runtime_filesystem_with_the_fix(
+    small_fs: type[SmallFs], short_tmp: Path, tmp_path: Path
+) -> None:
+    shm = small_fs(short_tmp / "shm", 64)
     result = subprocess.run(
         [sys.executable, "-m", "pytest_forkd.cli", "doctor"],
         env={**os.environ, "FORKD_SHM_DIR": str(shm.path / "forkd")},
@@ -109,11 +121,11 @@ def test_doctor_flags_a_small_runtime_filesystem_with_the_fix(small_fs: type[Sma
 
 
 def test_a_small_default_runtime_directory_falls_back_to_one_with_room_and_the_guest_can_use_its_memory(
-    small_fs: type[SmallFs], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_fs: type[SmallFs], short_tmp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """/dev/shm as a container has it (64 MiB): run directories go elsewhere, with one warning."""
-    shm = small_fs(tmp_path / "shm", 64)
-    fallback = tmp_path / "fallback"
+    shm = small_fs(short_tmp / "shm", 64)
+    fallback = short_tmp / "fallback"
     monkeypatch.delenv("FORKD_SHM_DIR", raising=False)
     monkeypatch.setattr(rundir, "shm_root", lambda: shm.path / "pytest-forkd")
     monkeypatch.setattr(rundir, "fallback_roots", lambda: [fallback])
@@ -136,10 +148,10 @@ def test_a_small_default_runtime_directory_falls_back_to_one_with_room_and_the_g
 
 
 def test_qemu_killed_by_sigbus_names_the_filesystem_that_ran_out(
-    small_fs: type[SmallFs], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_fs: type[SmallFs], short_tmp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The runtime filesystem fills up after the VM started: the guest's next touch kills QEMU with SIGBUS."""
-    shm = small_fs(tmp_path / "shm", 320)
+    shm = small_fs(short_tmp / "shm", 320)
     monkeypatch.setenv("FORKD_SHM_DIR", str(shm.path / "forkd"))
     factory = VMFactory()
     try:
