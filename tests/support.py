@@ -82,4 +82,5 @@ def assert_nothing_left(shm_dir: Path) -> None:
     for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(10), wait=tenacity.wait_fixed(0.2), reraise=True):
         with attempt:
             assert processes_mentioning(str(shm_dir)) == []
-    assert sorted(path.name for path in shm_dir.glob("*")) == []
+    left = sorted(str(path.relative_to(shm_dir)) for path in shm_dir.rglob("*"))
+    assert left == [], f"left in {shm_dir}: {left[:20]}"

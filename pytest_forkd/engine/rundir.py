@@ -268,15 +268,32 @@ def choose_root(*, warn: bool = True) -> tuple[Path, str | None]:
     return chosen, reason
 
 
+#: How long a forced exit keeps trying to remove its run directories.
+EMERGENCY_REMOVE_S = 2.0
+
 _live: set[Path] = set()
 """Run directories of this process not closed yet: what a forced exit (see :mod:`.cancel`) removes."""
 
 
 def _remove_live_now() -> None:
-    """Kill every process using this process's run directories and remove them: the last step of a forced exit."""
+    """Kill every process using this process's run directories and remove them: the last step of a forced exit.
+
+    As in :meth:`RunDir.close`, a VMM just killed may still create or unlink
+    its files while the tree is removed, so removal is tried again for up to
+    :data:`EMERGENCY_REMOVE_S` (a forced exit must stay quick).
+    """
+    deadline = time.monotonic() + EMERGENCY_REMOVE_S
     for path in list(_live):
         _kill_processes_referencing(path)
-        shutil.rmtree(path, ignore_errors=True)
+        while True:
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        try:
+            path.parent.rmdir()
+        except OSError:  # other runs are still there
+            pass
 
 
 cancel.on_emergency(_remove_live_now)

@@ -101,7 +101,10 @@ def test_a_signal_during_a_snapshot_build_stops_pytest_kills_its_vms_and_publish
     run.process.send_signal(signum)
     code = run.finish(timeout=20)
     assert code != 0
-    assert_nothing_left(shm_dir)  # no QEMU, no run directory
+    try:
+        assert_nothing_left(shm_dir)  # no QEMU, no run directory
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\ninner run's output:\n{''.join(run.output)[-3000:]}") from None
     # Neither published (a directory "slow" in the project's namespace) nor half-written (a temporary one):
     # only the lock file of its builds is left.
     assert [p.name for p in store.rglob("*slow*")] == ["slow.lock"]
