@@ -116,6 +116,16 @@ def _optional(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) 
     return _required(fields, name, kind)
 
 
+def _request_env(fields: dict[str, Any]) -> dict[str, str] | None:
+    """A request's ``env`` merged over the agent's own environment (None: inherit it unchanged)."""
+    env = _optional(fields, "env", dict)
+    if env is None:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise RequestError("BadRequest", "'env' must map strings to strings")
+    return {**os.environ, **env}
+
+
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(k.__name__ for k in kinds)

@@ -19,6 +19,7 @@ from .common import (
     _leave_clock_alone,
     _optional,
     _os_error_fields,
+    _request_env,
     _required,
     _tarstream,
     _write_frame,
@@ -286,11 +287,7 @@ class Agent:
 
     def _exec(self, fields: dict[str, Any], sink: _MemorySink) -> None:
         argv = _command_argv(fields)
-        env = _optional(fields, "env", dict)
-        if env is not None:
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-                raise RequestError("BadRequest", "'env' must map strings to strings")
-            env = {**os.environ, **env}
+        env = _request_env(fields)
         cwd = _optional(fields, "cwd", str)
         timeout = _optional(fields, "timeout", (int, float))
         if timeout is not None and timeout <= 0:
@@ -405,11 +402,7 @@ class Agent:
 
     def _spawn(self, fields: dict[str, Any], sink: _MemorySink) -> None:
         argv = _command_argv(fields)
-        env = _optional(fields, "env", dict)
-        if env is not None:
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-                raise RequestError("BadRequest", "'env' must map strings to strings")
-            env = {**os.environ, **env}
+        env = _request_env(fields)
         cwd = _optional(fields, "cwd", str)
         max_output = _optional(fields, "max_output", int)
         if max_output is None or max_output < 0:
