@@ -2,8 +2,9 @@
 
 A build takes seconds to minutes under TCG, so the user is told what runs
 (each set-up command as it starts, with the time since the build started)
-while tests are running. pytest is meanwhile writing its own progress line
-(``test_a.py ..`` or, with ``-q``, bare dots, then ``[ 40%]``): a line
+while tests are running, and each line is flushed at once (a CI job's
+log is a pipe, which Python buffers). pytest is meanwhile writing its own
+progress line (``test_a.py ..`` or, with ``-q``, bare dots, then ``[ 40%]``): a line
 written straight to the terminal would land in the middle of it. So each
 line goes through the terminal reporter, on a line of its own, with
 output capture suspended; before pytest's next dot, the file name it was
@@ -56,6 +57,7 @@ def _write_apart(config: pytest.Config, reporter: pytest.TerminalReporter, line:
         reporter.write("\n")
     reporter.currentfspath = None  # pytest writes its file prefix again (verbose mode)
     reporter.write_line(line)
+    reporter.flush()  # seen as it happens in a CI log too, where stdout is a buffered pipe
     config.stash[PREFIX_PENDING] = True
 
 

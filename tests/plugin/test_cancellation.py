@@ -45,12 +45,15 @@ class Run:
 
     def __init__(self, directory: Path, store: Path, *args: str) -> None:
         self.output: list[str] = []
+        # As in a CI job: stdout is a pipe that Python buffers, so progress lines must be flushed as they come.
+        environment = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", f"--forkd-store={store}", *args],
             cwd=directory,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=environment,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
