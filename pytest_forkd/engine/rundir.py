@@ -16,6 +16,7 @@ on one host never share a directory.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -297,6 +298,9 @@ def _remove_live_now() -> None:
 
 
 cancel.on_emergency(_remove_live_now)
+# An interpreter that ends with run directories still open (an interrupt that came after the
+# session closed its VMs, a script that never called close()) removes them on its way out too.
+atexit.register(_remove_live_now)
 
 
 class RunDir:

@@ -65,6 +65,22 @@ def test_run_dir_records_its_owner_and_is_removed_on_close(tmp_path: Path) -> No
     assert not run.path.exists()
 
 
+def test_a_run_dir_left_open_is_removed_when_the_interpreter_exits(tmp_path: Path) -> None:
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from pytest_forkd.engine.rundir import RunDir\n"
+        "run = RunDir(Path(sys.argv[1]))\n"
+        "print(run.path, flush=True)\n"
+        "raise KeyboardInterrupt  # as an interrupt that comes after a session closed its VMs\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr
+    path = Path(result.stdout.strip())
+    assert path.parent == tmp_path and path.name.startswith("run-")
+    assert not path.exists()
+
+
 def test_close_kills_processes_still_using_the_run_dir(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     straggler = process_mentioning(run.path / "vm1.ram")
