@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from .core.copy import CopyResult
     from .core.factory import VMFactory, boot, import_snapshot
     from .core.process import GuestProcess, ProcessOutput
+    from .core.runtime import Runtime
     from .core.trajectory import BisectResult, Trajectory
     from .core.transcript import Transcript
     from .core.vm import VM
@@ -78,6 +79,7 @@ _LAZY: dict[str, str] = {
     "CopyResult": "pytest_forkd.core.copy",
     "VMFactory": "pytest_forkd.core.factory",
     "boot": "pytest_forkd.core.factory",
+    "Runtime": "pytest_forkd.core.runtime",
     "BisectResult": "pytest_forkd.core.trajectory",
     "Trajectory": "pytest_forkd.core.trajectory",
     "Transcript": "pytest_forkd.core.transcript",
@@ -126,6 +128,7 @@ __all__ = [
     "ProcessError",
     "ProcessOutput",
     "ProcessTimeout",
+    "Runtime",
     "Snapshot",
     "UnsafeArchive",
     "SnapshotError",

@@ -14,16 +14,22 @@
 ``pytest -m "not vm"`` is the fast layer: no QEMU, the fake engine where a VM
 is needed (tests/contract), and no ``slow`` test unless the expression names
 ``slow`` itself (``-m "not vm and slow"``) or ``FORKD_TESTS_SLOW=1`` is set.
-Without ``-m`` every test runs.
+Without ``-m`` every test runs. The fast layer does not even import the test
+modules it would deselect whole (``fast_layer_skips``): importing them is most
+of what they would cost it.
 """
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import functools
+import gc
 import os
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +49,77 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 def _fast_layer(config: pytest.Config) -> bool:
     expression = config.option.markexpr or ""
     return "not vm" in expression and "slow" not in expression and not os.environ.get("FORKD_TESTS_SLOW")
+
+
+#: Every test under tests/integration/ is marked vm (its conftest.py does it).
+ALL_VM = Path(__file__).parent / "integration"
+_MODULE_MARK = re.compile(r"^pytestmark\s*=.*?\bpytest\.mark\.(vm|slow)\b", re.MULTILINE | re.DOTALL)
+
+
+def _marks_whole_module(value: ast.expr) -> set[str]:
+    """The marker names a module-level ``pytestmark = ...`` gives every test of the module."""
+    marks = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
+    return {
+        mark.attr
+        for mark in marks
+        if isinstance(mark, ast.Attribute)
+        and isinstance(mark.value, ast.Attribute)
+        and mark.value.attr == "mark"
+        and isinstance(mark.value.value, ast.Name)
+        and mark.value.value.id == "pytest"
+    }
+
+
+def fast_layer_skips(path: Path) -> bool:
+    """Whether every test of the module at ``path`` is marked ``vm`` or ``slow``, as its source shows.
+
+    The text is searched first and parsed only when it may say so (a string in
+    the module can hold such a line too): most modules cost no parse.
+    """
+    if path.parent == ALL_VM:
+        return True
+    text = path.read_text()
+    if not _MODULE_MARK.search(text):
+        return False
+    for node in ast.parse(text, str(path)).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets
+        ):
+            return bool(_marks_whole_module(node.value) & {"vm", "slow"})
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if (
+        collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+        and _fast_layer(config)
+        and fast_layer_skips(collection_path)
+    ):
+        return True
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """Collection without full garbage collections; what it leaves is then frozen out of later ones.
+
+    Collecting imports the test modules and everything they use (Inspect, the
+    Agents SDK, pydantic...): objects that live to the end of the run. Each full
+    collection scans all of them, a fifth of a second and more once they are
+    loaded, and the interpreter ran one every few hundred milliseconds of
+    collecting and testing: seconds per run. So collection runs with the young
+    generations only, then one full collection clears what it left, and
+    ``gc.freeze`` keeps the survivors out of every later one.
+    """
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
+    try:
+        return (yield)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)

@@ -209,11 +209,11 @@ def _check_memory_limit() -> Check:
 
 def _backend_checks() -> list[Check]:
     try:
-        from pytest_forkd.storage.backend import registry
+        from pytest_forkd.core.runtime import Runtime
     except ImportError:
         return []
     checks = []
-    for backend in registry().all():
+    for backend in Runtime().backends.all():
         problem = backend.unavailable_reason()
         fix = "" if problem is None or "fix:" in problem else "see the message"
         checks.append(

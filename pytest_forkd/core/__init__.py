@@ -1,4 +1,5 @@
-"""The VM life cycle: handles, the factory that owns them, forks, branches, checkpoints, pools.
+"""The VM life cycle: handles, the factory that owns them, forks, branches, checkpoints, pools, and the
+runtime a factory runs them with (its storage backends and timing recorder).
 
 Also what a VM did and how it changed: transcripts, filesystem changes,
 trajectories and their bisection, replays; portable snapshot archives.

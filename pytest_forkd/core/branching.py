@@ -20,7 +20,7 @@ from pytest_forkd.engine import space
 from pytest_forkd.engine.memory import copy_sparse
 from pytest_forkd.errors import SnapshotError
 from pytest_forkd.paths import validate_tag
-from pytest_forkd.storage.backend import MEMORY_FILE, STATE_FILE, CaptureFinish, CaptureSource, registry
+from pytest_forkd.storage.backend import MEMORY_FILE, STATE_FILE, CaptureFinish, CaptureSource
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore
 
@@ -58,7 +58,7 @@ def branch(
     factory = vm.factory
     store = store or factory.session_store
     tag = validate_tag(tag) if tag is not None else _auto_tag(vm)  # "" is an error, not "pick one"
-    chosen = registry().get(backend or vm.default_backend or factory.default_backend)
+    chosen = factory.runtime.backends.get(backend or vm.default_backend or factory.default_backend)
     capabilities = factory.engine.capabilities()
     chosen.require_available(capabilities)
     started = time.perf_counter()
@@ -182,6 +182,9 @@ def freeze(
             if isinstance(exc, SnapshotError) and isinstance(exc.__cause__, OSError):
                 raise SnapshotError(f"{exc}; the VM was resumed") from exc.__cause__
             raise
+        # The agent client first, as VM.close does: its reply reader polls the channel, and a machine
+        # that closes the channel under it leaves the poll on a descriptor number a new VM may reuse.
+        vm.agent.close()
         machine.kill()  # its RAM file belongs to the snapshot now
     snapshot = snapshot.with_owner(vm.factory)
     vm._record_timing("freeze", pause_ms, backend="full")

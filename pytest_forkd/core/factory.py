@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from pytest_forkd import private
-from pytest_forkd.core import validate
+from pytest_forkd.core import defaults, validate
 from pytest_forkd.core.pool import (
     ChildPool,
     fork_memory_problem,
@@ -33,6 +36,7 @@ from pytest_forkd.core.pool import (
     unpark_vm,
     vm_usable,
 )
+from pytest_forkd.core.runtime import Runtime
 from pytest_forkd.core.vm import VM
 from pytest_forkd.engine import cancel, space
 from pytest_forkd.engine.base import (
@@ -44,13 +48,12 @@ from pytest_forkd.engine.base import (
     SpecLike,
     make_engine,
 )
-from pytest_forkd.engine.network import NetworkChoice, NetworkSpec, check_card, network_from_record, network_spec
-from pytest_forkd.engine.rundir import RunDir
+from pytest_forkd.engine.network import NetworkChoice, NetworkSpec, network_spec
+from pytest_forkd.engine.rundir import RunDir, open_run_dir
 from pytest_forkd.errors import ConfigError, HostNotReady, VMStartError
 from pytest_forkd.guest.client import DEFAULT_MAX_OUTPUT, AgentClient, AgentTimeout, ChannelClosed
-from pytest_forkd.latency import timings
-from pytest_forkd.storage import local_copy
-from pytest_forkd.storage.backend import registry, resolve_base
+from pytest_forkd.storage.child_plan import ChildPlan, plan_child
+from pytest_forkd.storage.local_copy import LocalCopies
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore
 
@@ -89,6 +92,8 @@ class RestorePhases:
     warm_ms: float = 0.0
     qemu_cpu_ms: float | None = None
     cpu_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    pid: int | None = dataclasses.field(default=None, repr=False, compare=False)
+    """The QEMU process whose CPU :meth:`phase` counts (set once it runs)."""
     _cpu_mark: float = dataclasses.field(default=0.0, init=False, repr=False)
 
     def lap(self, name: str, since: float, pid: int | None = None) -> float:
@@ -102,9 +107,17 @@ class RestorePhases:
                 self._cpu_mark = cpu
         return now
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name``, with the CPU of process :attr:`pid` when it is known by the end."""
+        started = time.perf_counter()
+        yield
+        self.lap(name, started, self.pid)
+
     def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
         fields.pop("_cpu_mark")
+        fields.pop("pid")
         return fields
 
 
@@ -148,7 +161,11 @@ class VMFactory:
         default_backend: str = "diff",
         max_output: int = DEFAULT_MAX_OUTPUT,
         engine: str | AnyEngine | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
+        self.runtime: Runtime = runtime if runtime is not None else Runtime()
+        """The storage backends this factory's VMs use and the recorder their timings go to (a fresh one by
+        default; a pytest session hands its own)."""
         self.engine: AnyEngine = make_engine(engine, accel=accel)
         """What starts this factory's machines: an engine name (``qemu``, ``fake``...), an instance,
         or None for the default, QEMU."""
@@ -157,10 +174,11 @@ class VMFactory:
         """The ``max_output`` of every VM this factory starts (bytes kept per output stream of an exec)."""
         self.progress = progress
         self.default_backend = default_backend
-        self._pools: dict[Path, ChildPool[VM]] = {}
+        self._pools: dict[tuple[Path, str], ChildPool[VM]] = {}
+        """Pre-restored children by snapshot (directory and creation time of the record they map)."""
         self._session_store: SnapshotStore | None = None
-        self._local_copies: dict[tuple[Path, str], Snapshot | None] = {}
-        """Per snapshot (directory, creation time): its copy in the run directory, or None when mapped in place."""
+        self._local_copies = LocalCopies()
+        """Copies of the snapshots the VMM cannot map where they are (read-only stores), one per snapshot."""
         self._lock = threading.RLock()
         self._vms: set[VM] = set()
         self._run_dir: RunDir | None = None
@@ -182,28 +200,28 @@ class VMFactory:
     def run_dir(self) -> RunDir:
         with self._lock:
             if self._run_dir is None:
-                if self._closed:  # a directory made now would outlive the factory
-                    raise VMStartError("this VM factory is closed: it starts no more VMs; make a new VMFactory")
-                try:
-                    self._run_dir = RunDir()
-                except OSError as exc:
-                    raise HostNotReady(
-                        f"cannot create a run directory for VM files under {exc.filename or 'the shm root'}: "
-                        f"{exc.strerror or exc}; check that /dev/shm (or $FORKD_SHM_DIR) exists, is writable "
-                        "and has free space"
-                    ) from exc
+                self._ensure_open()  # a directory made now would outlive the factory
+                self._run_dir = open_run_dir()
             return self._run_dir
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise VMStartError("this VM factory is closed: it starts no more VMs; make a new VMFactory")
 
     def accel_verdict(self, image: Any) -> Any:
         """The accelerator the engine chose (KVM or TCG for QEMU), probing it once with a throwaway VM."""
-        return self._accelerated_engine().accel_verdict(image, self._probe(image))
+        return self._accelerated_engine().accel_verdict(image, functools.partial(self._probe_boot, image))
 
     def machine_spec(self, image: Any, *, memory_mib: int, vcpus: int, network_card: bool = False) -> Any:
         """The machine for ``image`` at this size; checks the size first (no VM has started yet)."""
         validate.memory_mib(memory_mib, initrd=getattr(image, "initrd", None), image=image.name)
         validate.vcpus(vcpus)
         return self.engine.machine_spec(
-            image, memory_mib=memory_mib, vcpus=vcpus, network_card=network_card, probe=self._probe(image)
+            image,
+            memory_mib=memory_mib,
+            vcpus=vcpus,
+            network_card=network_card,
+            probe=functools.partial(self._probe_boot, image),
         )
 
     def fingerprint(self, image: Any, spec: Any) -> dict[str, str]:
@@ -250,7 +268,7 @@ class VMFactory:
         spec = self.machine_spec(image, memory_mib=memory_mib, vcpus=vcpus, network_card=net.has_card)
         started = time.perf_counter()
         vm = self._boot_spec(image, spec, timeout, net)
-        timings.record("boot", (time.perf_counter() - started) * 1000, memory_mib=memory_mib, cold=True)
+        self.runtime.recorder.record("boot", (time.perf_counter() - started) * 1000, memory_mib=memory_mib, cold=True)
         return vm
 
     def _boot_spec(self, image: Any, spec: Any, timeout: float, network: NetworkSpec | None = None) -> VM:
@@ -322,106 +340,6 @@ class VMFactory:
         return export_snapshot(snapshot, destination).path
 
     # -- children of snapshots ----------------------------------------------------
-    def _child_plan(self, snapshot: Snapshot) -> tuple[Snapshot, Any, Any, SnapshotStore]:
-        if not snapshot.is_ready:
-            snapshot = snapshot.wait_ready()
-        store = SnapshotStore(snapshot.path.parent, clean=False)
-        store.check_restorable(snapshot)
-        mappable = self._mappable(snapshot)
-        if mappable.path.parent != snapshot.path.parent:  # restored from a local copy: its own store
-            store = SnapshotStore(mappable.path.parent, clean=False)
-        snapshot = mappable
-        image = self._image_of(snapshot)
-        spec = self.machine_spec(
-            image,
-            memory_mib=snapshot.memory_mib,
-            vcpus=snapshot.vcpus,
-            network_card=network_from_record(snapshot.network).has_card,
-        )
-        store.check_compatible(snapshot, self.fingerprint(image, spec))
-        return snapshot, image, spec, store
-
-    def _mappable(self, snapshot: Snapshot) -> Snapshot:
-        """``snapshot``, or once per factory a copy in the run directory when QEMU cannot map it where it is.
-
-        Snapshots in a read-only shared store are restored from such a copy;
-        nothing is written into the store (see :mod:`pytest_forkd.storage.local_copy`).
-        """
-        with self._lock:
-            key = (snapshot.path, snapshot.created)
-            if key not in self._local_copies:
-                unmappable = local_copy.unmappable_reason(snapshot) is not None
-                self._local_copies[key] = local_copy.local_copy(snapshot, self.session_store) if unmappable else None
-            copied = self._local_copies[key]
-            return snapshot if copied is None else copied.with_owner(self)
-
-    def _image_of(self, snapshot: Snapshot) -> Any:
-        """The exact image a snapshot was taken with, even if its name now points to a rebuild."""
-        return self.engine.image_for(snapshot.image, snapshot.fingerprint.get("image"))
-
-    def _launch_child(
-        self,
-        snapshot: Snapshot,
-        image: Any,
-        spec: Any,
-        store: SnapshotStore,
-        timeout: float = BOOT_TIMEOUT_S,
-        network: NetworkSpec | None = None,
-    ) -> VM:
-        """Start one copy-on-write child of ``snapshot`` and return it once its agent answers.
-
-        The child's ``restore_phases`` says where the time went (see :class:`RestorePhases`).
-        """
-        phases = RestorePhases()
-        mark = time.perf_counter()
-        backend = registry().get(snapshot.backend)
-        memory_file = backend.child_memory(snapshot, store)
-        memory_base = snapshot if snapshot.memory_path == memory_file else resolve_base(snapshot, store)
-        run_dir = self.run_dir
-        name = run_dir.new_name("child")
-        try:
-            machine = self.engine.restore(
-                spec,
-                image,
-                directory=run_dir.path,
-                name=name,
-                memory_file=memory_file,
-                network=network or network_from_record(snapshot.network),
-            )
-        except OSError as exc:
-            raise _launch_error(name, exc) from exc
-        mark = phases.lap("qemu_start_ms", mark, machine.pid)
-        try:
-            backend.prepare_child(snapshot, machine, store)
-            mark = phases.lap("memory_ms", mark, machine.pid)
-            machine.load_device_state(snapshot.state_path)
-            machine.resume()
-            mark = phases.lap("device_state_ms", mark, machine.pid)
-        except EngineError as exc:
-            error = VMStartError(
-                f"restoring a child of snapshot {snapshot.tag!r} failed: {exc}; "
-                f"the {self.engine.name} engine said: {machine.stderr_tail() or 'nothing'}"
-            )
-            machine.kill()
-            raise error from exc
-        except BaseException:
-            machine.kill()
-            raise
-        child = self.adopt(
-            machine,
-            image,
-            ready_timeout=timeout,
-            origin=snapshot.with_owner(self),
-            memory_base=memory_base,
-            new_epoch=True,
-        )
-        mark = phases.lap("first_reply_ms", mark, machine.pid)
-        child._restore_forwards()
-        phases.lap("forwards_ms", mark, machine.pid)
-        phases.qemu_cpu_ms = process_cpu_ms(machine.pid)
-        child.restore_phases = phases
-        return child
-
     def fork_snapshot(self, snapshot: Snapshot, n: int = 1, *, network: NetworkChoice = None) -> list[VM]:
         """Start ``n`` copy-on-write children of ``snapshot`` concurrently (pooled ones first).
 
@@ -431,69 +349,126 @@ class VMFactory:
         device of the snapshot, so a snapshot taken without network cannot have
         children with one, nor the other way round (NetworkError says so).
         """
-        validate.count(n, "n")
-        override = None if network is None else network_spec(network)
         started = time.perf_counter()
-        snapshot, image, spec, store = self._child_plan(snapshot)
-        if override is not None:
-            recorded = network_from_record(snapshot.network)
-            check_card(snapshot.tag, recorded, override)
-            if not override.forward:  # the guest's servers are still there: keep forwarding them
-                override = override.with_forward(recorded.forward)
+        plan = self._plan(snapshot, network, n)
+        pool = self._pools.get((plan.snapshot.path, plan.snapshot.created)) if network is None else None
         children: list[VM] = []
-        pool = self._pools.get(snapshot.path) if override is None else None
         while pool is not None and len(children) < n:
             # One child: wait for a restore the pool already runs rather than start a competing one.
             child = pool.take(wait=POOL_WAIT_S if n == 1 else 0.0)
             if child is None:
                 break
-            child.origin = snapshot.with_owner(self)
+            child.origin = plan.snapshot
             children.append(child)
         pooled = len(children)
-        missing = n - len(children)
-        if missing == 1:
-            try:
-                children.append(self._launch_child(snapshot, image, spec, store, BOOT_TIMEOUT_S, override))
-            except BaseException:
-                for child in children:
-                    child.close()
-                raise
-        elif missing:
-            problem = fork_memory_problem(missing)
+        missing = n - pooled
+        try:
+            problem = fork_memory_problem(missing) if missing > 1 else None
             if problem is not None:
-                for child in children:
-                    child.close()
-                raise HostNotReady(f"cannot fork {n} children of snapshot {snapshot.tag!r} at once: {problem}")
-            children += self._launch_together(missing, snapshot, image, spec, store, override, pooled=children)
+                raise HostNotReady(f"cannot fork {n} children of snapshot {plan.snapshot.tag!r} at once: {problem}")
+            if missing > 1:
+                children += self._launch_together(missing, plan)
+            elif missing:
+                children.append(self._launch_child(plan))
+        except BaseException:
+            for child in children:  # the pooled ones: a fork hands out all its children or none
+                child.close()
+            raise
         elapsed = (time.perf_counter() - started) * 1000
         for index, child in enumerate(children):
-            child._record_timing("fork", elapsed, backend=snapshot.backend, extra={"pooled": index < pooled})
+            child._record_timing("fork", elapsed, backend=plan.snapshot.backend, extra={"pooled": index < pooled})
         return children
 
-    def _launch_together(
-        self,
-        n: int,
-        snapshot: Snapshot,
-        image: Any,
-        spec: Any,
-        store: SnapshotStore,
-        network: NetworkSpec | None,
-        *,
-        pooled: list[VM],
-    ) -> list[VM]:
+    def _image_of(self, snapshot: Snapshot) -> Any:
+        """The exact image a snapshot was taken with, even if its name now points to a rebuild."""
+        return self.engine.image_for(snapshot.image, snapshot.fingerprint.get("image"))
+
+    def _plan(self, snapshot: Snapshot, network: NetworkChoice, n: int = 1) -> ChildPlan:
+        """Check a request for ``n`` children of ``snapshot``, then plan them (nothing has started yet).
+
+        The arguments here; the network, the snapshot's files, the machine the engine names for it and
+        the backend in :func:`~pytest_forkd.storage.child_plan.plan_child`.
+        """
+        self._ensure_open()  # nothing is copied or probed for a factory that starts no more VMs
+        validate.count(n, "n")
+        validate.memory_mib(snapshot.memory_mib)
+        validate.vcpus(snapshot.vcpus)
+        return plan_child(
+            snapshot,
+            network,
+            engine=self.engine,
+            probe=functools.partial(self._probe_snapshot_image, snapshot.image, snapshot.fingerprint.get("image")),
+            backends=self.runtime.backends,
+            copies=self._local_copies,
+            owner=self,
+        )
+
+    def _launch_child(self, plan: ChildPlan, timeout: float = BOOT_TIMEOUT_S) -> VM:
+        """Start one copy-on-write child of ``plan`` and return it once its agent answers.
+
+        The child's ``restore_phases`` says where the time went (see :class:`RestorePhases`).
+        """
+        phases = RestorePhases()
+        with phases.phase("qemu_start_ms"):
+            run_dir = self.run_dir
+            name = run_dir.new_name("child")
+            try:
+                machine = self.engine.restore(
+                    plan.spec,
+                    plan.image,
+                    directory=run_dir.path,
+                    name=name,
+                    memory_file=plan.memory_file,
+                    network=plan.network,
+                )
+                phases.pid = machine.pid
+            except OSError as exc:
+                raise _launch_error(name, exc) from exc
+        try:
+            with phases.phase("memory_ms"):
+                plan.backend.prepare_child(plan.snapshot, machine, plan.store)
+            with phases.phase("device_state_ms"):
+                machine.load_device_state(plan.state_file)
+                machine.resume()
+        except EngineError as exc:
+            error = VMStartError(
+                f"restoring a child of snapshot {plan.snapshot.tag!r} failed: {exc}; "
+                f"the {self.engine.name} engine said: {machine.stderr_tail() or 'nothing'}"
+            )
+            machine.kill()
+            raise error from exc
+        except BaseException:
+            machine.kill()
+            raise
+        with phases.phase("first_reply_ms"):
+            child = self.adopt(
+                machine,
+                plan.image,
+                ready_timeout=timeout,
+                origin=plan.snapshot,
+                memory_base=plan.memory_base,
+                new_epoch=True,
+            )
+        with phases.phase("forwards_ms"):
+            child._restore_forwards()
+        phases.qemu_cpu_ms = process_cpu_ms(machine.pid)
+        child.restore_phases = phases
+        return child
+
+    def _launch_together(self, n: int, plan: ChildPlan) -> list[VM]:
         """Restore ``n`` children on parallel threads; they are handed back ready together.
 
         Each restore is its own QEMU process, so the threads keep every core
         busy. A child that is ready early waits paused (an idle running guest
         costs CPU under TCG that its siblings' restores need); all resume
-        together at the end. If any restore fails, every child of the call
-        (``pooled`` ones included) is killed and the first error raised: no
-        QEMU is left behind.
+        together at the end. If any restore fails, every child it started is
+        killed and the first error raised: no QEMU is left behind (the caller
+        closes the children it had already).
         """
         workers = min(n, FORK_THREADS)
 
         def launch_parked() -> VM:
-            child = self._launch_child(snapshot, image, spec, store, BOOT_TIMEOUT_S, network)
+            child = self._launch_child(plan)
             try:
                 park_vm(child)
             except BaseException:
@@ -520,7 +495,7 @@ class VMFactory:
                     errors.append(exc)
                     break
         if errors:
-            for child in [*pooled, *started]:
+            for child in started:
                 child.close()
             raise errors[0]
         return started
@@ -549,9 +524,10 @@ class VMFactory:
         restores children nobody will use. Refills run on background threads,
         several at once; ready children wait paused.
         """
-        snapshot, image, spec, store = self._child_plan(snapshot)
+        plan = self._plan(snapshot, None)
+        key = (plan.snapshot.path, plan.snapshot.created)
         with self._lock:
-            existing = self._pools.get(snapshot.path)
+            existing = self._pools.get(key)
             if existing is not None and existing.size == size and existing.sizer.maximum == max(size, maximum or size):
                 return existing
         if existing is not None:
@@ -561,7 +537,7 @@ class VMFactory:
             # One guest command through the agent directly (no history, no timing, no
             # generation bump): the child's first real exec then skips ~100 ms of
             # first-time code translation under TCG.
-            child = self._launch_child(snapshot, image, spec, store)
+            child = self._launch_child(plan)
             try:
                 started = time.perf_counter()
                 child.agent.exec(["true"])
@@ -575,7 +551,7 @@ class VMFactory:
         pool: ChildPool[VM] = ChildPool(
             launch_warm,
             size,
-            name=snapshot.tag,
+            name=plan.snapshot.tag,
             maximum=maximum,
             park=park_vm,
             unpark=unpark_vm,
@@ -585,27 +561,28 @@ class VMFactory:
             room=memory_room,
         )
         with self._lock:
-            self._pools[snapshot.path] = pool
+            self._pools[key] = pool
         return pool
 
     def drop_pool(self, snapshot: Snapshot) -> None:
         """Kill the unused pre-restored children of ``snapshot``."""
+        mapped = self._local_copies.mapped(snapshot)
         with self._lock:
-            pool = self._pools.pop(snapshot.path, None)
+            pool = self._pools.pop((mapped.path, mapped.created), None)
         if pool is not None:
             pool.close()
 
-    def _probe(self, image: Any) -> Callable[[Any, float], None]:
-        """A throwaway boot of ``image`` the engine may use to check an accelerator (see ProbeBoot)."""
+    def _probe_boot(self, image: Any, spec: Any, timeout: float) -> None:
+        """A throwaway boot of ``image``, the ProbeBoot the engine may use to check an accelerator."""
+        initrd = getattr(image, "initrd", None)
+        if initrd is not None:
+            # Enough memory for the image to boot: a guest that panics for lack of it would read as "no KVM".
+            spec = spec.with_memory(max(spec.memory_mib, validate.initramfs_floor_mib(initrd)))
+        self._boot_spec(image, spec, timeout).close()
 
-        def probe(spec: Any, timeout: float) -> None:
-            initrd = getattr(image, "initrd", None)
-            if initrd is not None:
-                # Enough memory for the image to boot: a guest that panics for lack of it would read as "no KVM".
-                spec = spec.with_memory(max(spec.memory_mib, validate.initramfs_floor_mib(initrd)))
-            self._boot_spec(image, spec, timeout).close()
-
-        return probe
+    def _probe_snapshot_image(self, name: str, key: str | None, spec: Any, timeout: float) -> None:
+        """:meth:`_probe_boot` of the exact image a snapshot was taken with (``name``, ``key``)."""
+        self._probe_boot(self.engine.image_for(name, key), spec, timeout)
 
     # -- ownership ------------------------------------------------------------
     @property
@@ -657,6 +634,7 @@ class VMFactory:
             run_dir, self._run_dir = self._run_dir, None
         if run_dir is not None:
             run_dir.close()
+        self._local_copies.close()
 
 
 def _launch_error(name: str, exc: OSError) -> VMStartError:
@@ -678,7 +656,8 @@ def default_factory(accel: str = "auto") -> VMFactory:
     with _default_lock:
         factory = _default_factories.get(accel)
         if factory is None or factory._closed:
-            factory = _default_factories[accel] = VMFactory(accel=accel)
+            # Inside a pytest run, the run's runtime (see pytest_forkd.core.defaults)
+            factory = _default_factories[accel] = VMFactory(accel=accel, runtime=defaults.runtime())
             atexit.register(factory.close)
         return factory
 

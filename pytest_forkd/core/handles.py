@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from pytest_forkd.core.runtime import Runtime
 from pytest_forkd.core.transcript import Transcript
 from pytest_forkd.engine.base import AnyEngine, AnyMachine
 from pytest_forkd.guest.client import AgentClient
@@ -31,6 +32,8 @@ class VMOwner(SnapshotOwner, Protocol):
 
     engine: AnyEngine
     default_backend: str
+    runtime: Runtime
+    """The storage backends the VM's snapshots are taken with and the recorder its timings go to."""
 
     @property
     def session_store(self) -> SnapshotStore:

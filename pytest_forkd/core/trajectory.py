@@ -104,11 +104,13 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
 
 
-def _cheapest_backend() -> str:
-    from pytest_forkd.storage.backend import registry
-
+def _cheapest_backend(vm: VM) -> str:
+    """``diff`` where the diff backend of the VM's factory works on this host, else ``full``."""
+    runtime = getattr(getattr(vm, "factory", None), "runtime", None)  # None for a stand-in without a factory
+    if runtime is None:
+        return "full"
     try:
-        return "diff" if registry().get("diff").unavailable_reason() is None else "full"
+        return "diff" if runtime.backends.get("diff").unavailable_reason() is None else "full"
     except ForkdError:
         return "full"
 
@@ -126,7 +128,7 @@ class Trajectory:
             raise ForkdError(f"Trajectory(every=...) is the number of steps between checkpoints, >= 1; got {every!r}")
         self.vm = vm
         self.every = every
-        self.backend = backend or _cheapest_backend()
+        self.backend = backend or _cheapest_backend(vm)
         self.steps: list[Step] = []
         self.checkpoints: dict[int, Snapshot] = {}
         """Snapshots of the state after that many steps (0: before the first)."""

@@ -695,7 +695,7 @@ class VM:
 
     def _record_timing(self, op: str, ms: float, **fields: Any) -> None:
         """Record one timed operation on this VM (cold = the first since it started)."""
-        timings.record(op, ms, memory_mib=self.memory_mib, cold=self._cold, **fields)
+        self._factory.runtime.recorder.record(op, ms, memory_mib=self.memory_mib, cold=self._cold, **fields)
         self._cold = False
 
     def _recover_after_failed_pause(self) -> None:

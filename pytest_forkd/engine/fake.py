@@ -63,12 +63,46 @@ _HEADER = struct.Struct("<16sQ")
 STATE_FORMAT = "forkd-fake-device-state/1"
 #: Runs the agent package as ``__main__`` after making it a child subreaper: commands it starts in
 #: their own sessions, and what they leave running in the background, stay its descendants, so pausing
-#: and killing the machine reach them (a QEMU guest's processes die with QEMU).
-LAUNCHER = (
-    "import ctypes, runpy, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "  # PR_SET_CHILD_SUBREAPER
-    "script = sys.argv[1]; sys.argv = sys.argv[1:]; sys.path.insert(0, script.rpartition('/')[0]); "
-    "runpy.run_path(script, run_name='__main__')"
-)
+#: and killing the machine reach them (a QEMU guest's processes die with QEMU). The agent returns
+#: when the host hangs up, which closing a VM does before it kills the machine: the guest's processes
+#: are killed then, before the agent exits, as they would be reparented out of the machine's reach.
+LAUNCHER = """\
+import ctypes, os, runpy, signal, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, script.rpartition('/')[0])
+
+def below():
+    children = {}
+    for entry in os.listdir('/proc'):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f'/proc/{entry}/stat', 'rb') as stat:
+                children.setdefault(int(stat.read().rsplit(b')', 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, stack = [], [os.getpid()]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+try:
+    runpy.run_path(script, run_name='__main__')
+finally:
+    for _ in range(2):  # a process forked during the first pass is below the second
+        pids = below()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if not pids:
+            break
+"""
 NO_LIVE_SNAPSHOT = "the fake engine has no live snapshot (use the full or diff backend, or the qemu engine)"
 NO_NETWORK = "the fake engine has no network card; use the qemu engine for networked VMs"
 

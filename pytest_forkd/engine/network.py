@@ -49,7 +49,7 @@ FORWARD_WAIT_S: Final = 10.0
 
 _KEYS: Final = ("mode", "allow", "forward")
 
-__all__ = ["MODES", "NetworkChoice", "NetworkError", "NetworkSpec", "network_spec", "port_number"]
+__all__ = ["MODES", "NetworkChoice", "NetworkError", "NetworkSpec", "child_network", "network_spec", "port_number"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,23 @@ def check_card(source: str, recorded: NetworkSpec, wanted: NetworkSpec) -> None:
 def network_from_record(data: object) -> NetworkSpec:
     """The NetworkSpec a snapshot recorded (None: taken without network)."""
     return NetworkSpec() if data is None else network_spec(data, "snapshot network")
+
+
+def child_network(source: str, recorded: object, choice: NetworkChoice | object = None) -> NetworkSpec:
+    """The network of the children of ``source``, whose snapshot recorded network ``recorded``.
+
+    Without ``choice`` it is the recorded one. ``choice`` (any form
+    :func:`network_spec` takes) gives them another policy, checked against the
+    recorded card (:func:`check_card`); the guest ports the snapshot forwarded
+    stay forwarded unless ``choice`` lists its own (the guest's servers are
+    still there).
+    """
+    if choice is None:
+        return network_from_record(recorded)
+    wanted = network_spec(choice)
+    parent = network_from_record(recorded)
+    check_card(source, parent, wanted)
+    return wanted if wanted.forward else wanted.with_forward(parent.forward)
 
 
 def _mode(value: object, what: str) -> NetworkMode:

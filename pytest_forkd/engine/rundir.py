@@ -362,3 +362,14 @@ class RunDir:
             self.path.parent.rmdir()
         except OSError:  # other runs (or their stale directories) are still there
             pass
+
+
+def open_run_dir(purpose: str = "VM files") -> RunDir:
+    """A new :class:`RunDir`; HostNotReady naming the directory and the fix when none can be made."""
+    try:
+        return RunDir()
+    except OSError as exc:
+        raise HostNotReady(
+            f"cannot create a run directory for {purpose} under {exc.filename or 'the shm root'}: "
+            f"{exc.strerror or exc}; check that /dev/shm (or $FORKD_SHM_DIR) exists, is writable and has free space"
+        ) from exc

@@ -11,6 +11,7 @@ backend...) and every sample per operation, whole-run and per test;
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -36,8 +37,12 @@ _RUN_FILE: Final = re.compile(r"^(?P<counter>\d{4,})_(?P<name>.+)\.json$")
 # --- where runs live -------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
 def machine_id() -> str:
-    """pytest-benchmark's machine id, e.g. ``Linux-CPython-3.11-64bit``: stable per machine kind."""
+    """pytest-benchmark's machine id, e.g. ``Linux-CPython-3.11-64bit``: stable per machine kind.
+
+    Worked out once per process: ``platform.architecture`` runs ``file`` on the interpreter.
+    """
     return "-".join(
         (
             platform.system(),

@@ -2,13 +2,14 @@
 
 Every fork, branch, restore, checkpoint and exec the VM layer performs is
 timed, because users run agent suites in CI and want it to fail when the
-sandbox layer gets slower. The VM layer must not depend on pytest, so it
-reports through the module function :func:`record`, which
-delegate to a process-wide :class:`Recorder`; the pytest plugin replaces that
-recorder per session (:func:`set_active_recorder`), attributes samples to the
-running test (:meth:`Recorder.running_test`) and merges the samples of xdist
-workers (:meth:`Recorder.to_json`, :meth:`Recorder.from_json`,
-:meth:`Recorder.extend`).
+sandbox layer gets slower. The VM layer must not depend on pytest, so each
+VM reports to the :class:`Recorder` of its factory's runtime
+(:class:`pytest_forkd.core.runtime.Runtime`); the pytest plugin gives its
+session's runtime the run's recorder, attributes samples to the running test
+(:meth:`Recorder.running_test`) and merges the samples of xdist workers
+(:meth:`Recorder.to_json`, :meth:`Recorder.from_json`, :meth:`Recorder.extend`).
+There is no process-wide recorder: two sessions in one process keep their
+samples apart.
 """
 
 from __future__ import annotations
@@ -312,26 +313,3 @@ def _parse_samples(data: Mapping[str, object], key: str, *, required: bool = Tru
         except ConfigError as exc:
             raise ConfigError(f"timing samples: {key}[{index}]: {exc}") from None
     return parsed
-
-
-_active_recorder = Recorder()
-_active_lock = threading.Lock()
-
-
-def active_recorder() -> Recorder:
-    """The recorder the VM layer reports to (a process-wide default until replaced)."""
-    with _active_lock:
-        return _active_recorder
-
-
-def set_active_recorder(recorder: Recorder) -> Recorder:
-    """Make ``recorder`` the one :func:`record` reports to; return the previous one."""
-    global _active_recorder
-    with _active_lock:
-        previous, _active_recorder = _active_recorder, recorder
-    return previous
-
-
-def record(op: str, ms: float, **fields: object) -> Sample:
-    """Record a sample on the active recorder (see :meth:`Recorder.record`)."""
-    return active_recorder().record(op, ms, **fields)  # type: ignore[arg-type]

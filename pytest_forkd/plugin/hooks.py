@@ -37,6 +37,10 @@ REPORTS_HELD: Final = pytest.StashKey[bool]()
 def pytest_configure(config: pytest.Config) -> None:
     add_markers(config)
     state = start_run(config)
+    # VMs a test starts with pytest_forkd.boot() are the run's too: their timings count in its summary and budgets.
+    from pytest_forkd.core import defaults  # a slot: imports nothing
+
+    state.previous_default_runtime = defaults.use_runtime(lambda: state.runtime)
     if names_forkd(config):
         state.resolve()  # a bad setting fails the run now, before any test
     if config.pluginmanager.hasplugin("xdist"):
@@ -56,10 +60,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
     if state is None:
         return
-    state.close_session(worker_id(config))
-    from pytest_forkd.latency import timings
+    from pytest_forkd.core import defaults
 
-    timings.set_active_recorder(state.previous_recorder)
+    defaults.use_runtime(state.previous_default_runtime)
+    state.close_session(worker_id(config))
     if state.worker_died:  # by now xdist has reaped the dead worker, so its run directory counts as stale
         from pytest_forkd.engine.rundir import clean_stale
 
@@ -90,9 +94,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 from pytest_forkd.project.settings import choose_vm
 
                 if backends is None:
-                    from pytest_forkd.storage.backend import registry
-
-                    backends = registry().ids()
+                    backends = state.runtime.backends.ids()
                 item.stash[CHOICE] = choice = choose_vm(
                     state.settings, marker.args, marker.kwargs, backends=backends, test=item.nodeid
                 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Callable, Final
 
 import pytest
 
@@ -119,11 +119,13 @@ def add_markers(config: pytest.Config) -> None:
     config.addinivalue_line("markers", BUDGET_MARKER_HELP)
 
 
-def resolve_run(config: pytest.Config) -> Resolved:
-    """Read forkd.yaml and resolve the run's settings and budgets; raises ForkdError on a bad value."""
+def resolve_run(config: pytest.Config, *, backends: Callable[[], list[str]]) -> Resolved:
+    """Read forkd.yaml and resolve the run's settings and budgets; raises ForkdError on a bad value.
+
+    ``backends`` lists the storage backend ids a setting may name (asked only when one is named).
+    """
     from pytest_forkd.latency.budgets import budget_from_cli
     from pytest_forkd.project.config import EMPTY_PROJECT, load_project
-    from pytest_forkd.storage.backend import registry
 
     config_file, config_source = forkd_settings.project_file(config)
     project = load_project(config_file) if config_file else EMPTY_PROJECT
@@ -137,7 +139,7 @@ def resolve_run(config: pytest.Config) -> Resolved:
         project.settings,
         config_file=config_file,
         config_source=config_source,
-        backends=lambda: registry().ids(),
+        backends=backends,
     )
     check_snapshots(settings, project, [settings.snapshot])
     return Resolved(

@@ -2,12 +2,15 @@
 
 pytest loads the plugin in every project that has it installed, so
 configuring a run must cost next to nothing when no test uses forkd. The
-timing recorder is set up at once (cheap, and any VM a test boots must be
-timed); the settings, forkd.yaml and the budgets are resolved on first use:
-at configure time when the run names forkd at all (a ``--forkd-*`` option,
-a ``PYTEST_FORKD_*`` variable, a ``forkd_*`` ini key, a forkd.yaml in the
-rootdir), else when collection finds a test with a forkd fixture or marker,
-or when a fixture asks. A bad setting still fails the run as a usage error.
+timing recorder is set up at once (cheap: every test is timed against it).
+The run's runtime (:class:`~pytest_forkd.core.runtime.Runtime`: the storage
+backends, and that recorder), which the forkd session hands to its VM
+factory, is made on first use. The settings, forkd.yaml and the budgets are
+resolved on first use too: at configure time when the run names forkd at
+all (a ``--forkd-*`` option, a ``PYTEST_FORKD_*`` variable, a ``forkd_*``
+ini key, a forkd.yaml in the rootdir), else when collection finds a test
+with a forkd fixture or marker, or when a fixture asks. A bad setting still
+fails the run as a usage error.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pytest_forkd.errors import ForkdError
 from pytest_forkd.paths import PROJECT_FILE
 
 if TYPE_CHECKING:
+    from pytest_forkd.core.runtime import Runtime
     from pytest_forkd.latency.budgets import Budget, Violation
     from pytest_forkd.latency.compare import Comparison, Threshold
     from pytest_forkd.latency.timings import Recorder
@@ -52,7 +56,7 @@ class RunState:
 
     config: pytest.Config
     recorder: Recorder
-    previous_recorder: Recorder
+    """Every timing sample of the run (this process's; the controller adds its xdist workers')."""
     marker_budgets: list[Budget] = field(default_factory=list)
     build_events: list[dict[str, Any]] = field(default_factory=list)
     prefills: list[dict[str, Any]] = field(default_factory=list)
@@ -74,7 +78,19 @@ class RunState:
     """Collected tests that use ``forkd_vm`` (a bound on the children the pool restores ahead of them)."""
     worker_died: bool = False
     """An xdist worker crashed: its QEMUs died with it (PDEATHSIG), its run directory is removed at the end."""
+    previous_default_runtime: Callable[[], Runtime] | None = None
+    """What pytest_forkd.boot()'s factories used before this run gave them its runtime (put back at its end)."""
     _resolved: Resolved | None = None
+    _runtime: Runtime | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        """The run's storage backends and its recorder, made on first use; the forkd session's factory runs on it."""
+        if self._runtime is None:
+            from pytest_forkd.core.runtime import Runtime
+
+            self._runtime = Runtime(recorder=self.recorder)
+        return self._runtime
 
     @property
     def resolved(self) -> bool:
@@ -87,7 +103,7 @@ class RunState:
             from pytest_forkd.plugin.options import resolve_run
 
             try:
-                self._resolved = resolve_run(self.config)
+                self._resolved = resolve_run(self.config, backends=lambda: self.runtime.backends.ids())
             except ForkdError as exc:
                 raise pytest.UsageError(str(exc)) from None
         return self._resolved
@@ -112,7 +128,7 @@ class RunState:
         if self.session is None:
             from pytest_forkd.project.session import ForkdSession
 
-            self.session = ForkdSession(self.settings, self.project, recorder=self.recorder, progress=progress)
+            self.session = ForkdSession(self.settings, self.project, runtime=self.runtime, progress=progress)
             self.session.children_expected = self.children_expected
         return self.session
 
@@ -138,11 +154,10 @@ STATE: Final = pytest.StashKey[RunState]()
 
 
 def start_run(config: pytest.Config) -> RunState:
-    """Record the run's state in ``config.stash``, with its timing recorder active; resolve nothing yet."""
-    from pytest_forkd.latency import timings
+    """Record the run's state, with its timing recorder, in ``config.stash``; resolve nothing yet."""
+    from pytest_forkd.latency.timings import Recorder
 
-    recorder = timings.Recorder()
-    state = RunState(config=config, recorder=recorder, previous_recorder=timings.set_active_recorder(recorder))
+    state = RunState(config=config, recorder=Recorder())
     config.stash[STATE] = state
     return state
 

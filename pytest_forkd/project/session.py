@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pytest_forkd.core.runtime import Runtime
 from pytest_forkd.errors import VMError
-from pytest_forkd.latency.timings import Recorder
 from pytest_forkd.project.config import Project
 from pytest_forkd.project.settings import Settings, VMChoice
 from pytest_forkd.storage.snapshot import Snapshot
@@ -52,11 +52,19 @@ class ForkdSession:
     """
 
     def __init__(
-        self, settings: Settings, project: Project, *, recorder: Recorder, progress: Callable[[str], None] | None = None
+        self,
+        settings: Settings,
+        project: Project,
+        *,
+        runtime: Runtime | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.project = project
-        self.timings = recorder
+        self.runtime = runtime if runtime is not None else Runtime()
+        """The storage backends and the timing recorder of this session's VMs (handed to its factory)."""
+        self.timings = self.runtime.recorder
+        """Every timing sample of this session's VMs (``self.runtime.recorder``)."""
         self.progress = progress or (lambda line: None)
         self.shared_store, self.store = open_stores(settings, project)
         """The store root (the built-in ``base``, ``shared: true`` snapshots) and the project's namespace of it."""
@@ -68,8 +76,9 @@ class ForkdSession:
         """The parent's generation when ``_current`` was taken (None: no parent yet)."""
         self._pooled: Snapshot | None = None
         """The snapshot whose children the factory keeps ready."""
-        self._staged: dict[Path, Snapshot] = {}
-        """Copies on /dev/shm of disk-backed snapshots, for backends that need tmpfs memory."""
+        self._staged: dict[tuple[Path, str], Snapshot] = {}
+        """Copies on /dev/shm of disk-backed snapshots, for backends that need tmpfs memory, by snapshot
+        (directory and creation time: a snapshot rebuilt under the same tag is copied again)."""
         self._lock = threading.RLock()
         self.children_expected: int | None = None
         """How many more tests of this run will ask for a child of the parent's state (None: unknown).
@@ -104,7 +113,6 @@ class ForkdSession:
 
         from pytest_forkd.project.config import EMPTY_PROJECT, load_project
         from pytest_forkd.project.settings import resolve
-        from pytest_forkd.storage.backend import registry
 
         path = Path(config).absolute() if config is not None else None
         if path is not None and not path.is_file():
@@ -113,18 +121,19 @@ class ForkdSession:
             raise ConfigError(f"{path}: no such forkd.yaml; fix the path or leave the config out to use 'base'")
         project = load_project(path) if path is not None else EMPTY_PROJECT
         cli: dict[str, object] = {"snapshot": snapshot, "pool": None if pool is None else str(pool)}
+        runtime = Runtime()
         settings = resolve(
             cli=cli,
             env=os.environ,
             ini={},
             project_settings=project.settings,
-            backends=lambda: registry().ids(),
+            backends=lambda: runtime.backends.ids(),
             rootdir=path.parent if path is not None else Path.cwd(),
             config=path,
             config_source="argument" if path is not None else "default",
             project_origin=path.name if path is not None else "forkd.yaml",
         )
-        session = cls(settings, project, recorder=Recorder(), progress=progress)
+        session = cls(settings, project, runtime=runtime, progress=progress)
         session.check_snapshot_name(settings.snapshot)
         return session
 
@@ -163,6 +172,7 @@ class ForkdSession:
                     progress=self.progress,
                     default_backend=self.settings.backend,
                     max_output=self.settings.max_output,
+                    runtime=self.runtime,
                 )
                 self.store.clean_stale_temp()
             return self._factory
@@ -215,21 +225,21 @@ class ForkdSession:
         """
         from pytest_forkd.engine.memory import filesystem_type
         from pytest_forkd.project.snapshot_builder import publish_copy
-        from pytest_forkd.storage.backend import registry
 
         memory = snapshot.memory_path
         if (
             memory is None
-            or not registry().get(backend or self.settings.backend).requires_tmpfs_memory
+            or not self.runtime.backends.get(backend or self.settings.backend).requires_tmpfs_memory
             or filesystem_type(memory) == "tmpfs"
         ):
             return snapshot
         with self._lock:
-            staged = self._staged.get(snapshot.path)
+            key = (snapshot.path, snapshot.created)
+            staged = self._staged.get(key)
             if staged is None:
                 with self.timings.running_test(None):
                     staged = publish_copy(snapshot, self.factory.session_store, f"{snapshot.tag}-tmpfs")
-                self._staged[snapshot.path] = staged = staged.with_owner(self.factory)
+                self._staged[key] = staged = staged.with_owner(self.factory)
             return staged
 
     @property

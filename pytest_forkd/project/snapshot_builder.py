@@ -41,7 +41,6 @@ from pytest_forkd.engine.network import NetworkSpec
 from pytest_forkd.errors import ConfigError, DamagedSnapshot, InvalidArgument, SnapshotError
 from pytest_forkd.guest.exec_result import ExecResult
 from pytest_forkd.image import Image, ensure_image
-from pytest_forkd.latency import timings
 from pytest_forkd.paths import validate_tag
 from pytest_forkd.project import lifecycle
 from pytest_forkd.project.config import BASE_SNAPSHOT, IMAGE_PREFIX, Project, SnapshotRecipe
@@ -351,7 +350,7 @@ class SnapshotBuilder:
         staging_tag = f"build-{recipe_hash[:16]}"
         staging = self.factory.session_store
         clock = _Clock(self.progress, plan.tag)
-        with timings.active_recorder().building(plan.tag):
+        with self.factory.runtime.recorder.building(plan.tag):
             staged, env = self._assemble(plan, parent, staging_tag, staging, clock)
         try:
             extra = {"recipe_hash": recipe_hash, "recipe": recipe.name, "env": env, "setup": list(recipe.setup)}

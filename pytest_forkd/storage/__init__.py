@@ -1,4 +1,5 @@
-"""Snapshots at rest: the snapshot record, the store, integrity checks and the storage-backend registry.
+"""Snapshots at rest: the snapshot record, the store, integrity checks, the storage-backend registry, and
+the plan of a snapshot's children (what they are restored from, checked).
 
 A storage backend decides how the memory of a running VM is captured and
 restored; the built-in ones live in the top-level ``backends`` package and

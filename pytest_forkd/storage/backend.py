@@ -1,12 +1,16 @@
 """Storage backends: the interface, the pluggy hook, and the registry.
 
 A storage backend decides how a BRANCH (a snapshot of a running VM) captures
-guest memory and how a child of that snapshot gets it. The built-in backends
-(``full``, ``diff``, ``uffd``, in the top-level ``backends/`` directory, import
-package ``forkd_backends``) register exactly like a third-party one: a module
-listed under the ``pytest_forkd.backends`` entry-point group implements the
-:func:`forkd_register_backends` hook and adds :class:`StorageBackend` objects to
-the :class:`BackendRegistry`, which is keyed by backend id.
+guest memory and how a child of that snapshot gets it. Backends are pluggy
+plugins: a plugin implements the :func:`forkd_register_backends` hook and adds
+:class:`StorageBackend` objects to a :class:`BackendRegistry`, keyed by backend
+id. Each :class:`~pytest_forkd.core.runtime.Runtime` (one per pytest session,
+``forkd`` command or script) fills its own registry through
+:func:`plugin_manager`: the built-in backends (``full``, ``diff``, ``uffd``, in
+the top-level ``backends/`` directory, import package ``forkd_backends``) are
+registered in code through that same hook, then third-party ones listed under
+the ``pytest_forkd.backends`` entry-point group, then plugin objects handed to
+the runtime or to :func:`register_plugin`.
 
 Writing a backend::
 
@@ -39,7 +43,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import pluggy
 
@@ -64,9 +68,12 @@ CaptureFinish = Callable[["Snapshot", "SnapshotStore"], tuple[Path, "Path | None
 class BackendHooks:
     """Hook specifications of pytest-forkd's backend plugin system."""
 
-    @hookspec
+    @hookspec(historic=True)
     def forkd_register_backends(self, registry: "BackendRegistry") -> None:
-        """Add storage backends to ``registry`` with ``registry.add(backend)``."""
+        """Add storage backends to ``registry`` with ``registry.add(backend)``.
+
+        Historic: a plugin registered after the registry was filled is called too
+        (see :meth:`pytest_forkd.core.runtime.Runtime.register`)."""
 
 
 @dataclass
@@ -213,37 +220,52 @@ class BackendRegistry:
         return backend_id in self._backends
 
 
-def plugin_manager() -> pluggy.PluginManager:
-    """A plugin manager with the backend hooks and the installed entry points loaded."""
+def plugin_manager(builtin: Mapping[str, object] | None = None, plugins: Iterable[object] = ()) -> pluggy.PluginManager:
+    """A plugin manager with the backend hooks and its plugins, in this order.
+
+    ``builtin`` plugins are registered in code under their names (as tox
+    registers its internal plugins), then the installed entry points of the
+    ``pytest_forkd.backends`` group are loaded (pluggy skips an entry point
+    whose name is registered already), then ``plugins`` are registered.
+    """
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(BackendHooks)
+    for name, plugin in (builtin or {}).items():
+        pm.register(plugin, name=name)
     pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    for plugin in plugins:
+        if not pm.is_registered(plugin):
+            pm.register(plugin)
     return pm
 
 
-_registry: BackendRegistry | None = None
-_extra_plugins: list[object] = []
-_lock = threading.Lock()
+def fill_registry(pm: pluggy.PluginManager) -> BackendRegistry:
+    """A registry holding the backends of every plugin of ``pm``; plugins ``pm`` registers later add theirs too."""
+    registry = BackendRegistry()
+    pm.hook.forkd_register_backends.call_historic(kwargs={"registry": registry})
+    return registry
+
+
+_default_plugins: list[object] = []
+_default_plugins_lock = threading.Lock()
 
 
 def register_plugin(plugin: object) -> None:
-    """Register a backend plugin object (module or class instance) without an entry point."""
-    global _registry
-    with _lock:
-        _extra_plugins.append(plugin)
-        _registry = None
+    """Have every runtime created from now on load the backend plugin ``plugin``, without an entry point.
+
+    ``plugin`` is a module or an object with a :func:`forkd_register_backends`
+    hook implementation. Runtimes (:class:`~pytest_forkd.core.runtime.Runtime`)
+    created afterwards load it: call it before the pytest session starts its
+    VMs (in a ``conftest.py``), or before making a ``VMFactory``. To add a
+    plugin to one runtime only, pass it as ``Runtime(plugins=[plugin])`` or
+    call ``runtime.register(plugin)``.
+    """
+    with _default_plugins_lock:
+        if not any(known is plugin for known in _default_plugins):
+            _default_plugins.append(plugin)
 
 
-def registry() -> BackendRegistry:
-    """The process-wide registry, built once from entry points and registered plugins."""
-    global _registry
-    with _lock:
-        if _registry is None:
-            pm = plugin_manager()
-            for plugin in _extra_plugins:
-                if not pm.is_registered(plugin):
-                    pm.register(plugin)
-            fresh = BackendRegistry()
-            pm.hook.forkd_register_backends(registry=fresh)
-            _registry = fresh
-        return _registry
+def default_plugins() -> list[object]:
+    """The plugins given to :func:`register_plugin` so far, in order."""
+    with _default_plugins_lock:
+        return list(_default_plugins)

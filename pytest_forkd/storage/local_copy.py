@@ -3,18 +3,20 @@
 A child maps its snapshot's memory file copy-on-write, but QEMU 7.2 opens
 that file read-write even for a private mapping, so a store on a read-only
 mount (a shared NFS export, a CI cache mounted read-only) cannot be mapped
-directly. Such a snapshot is copied once per process into the run directory
-(tmpfs, holes kept; the default 256 MiB snapshot took 86-503 ms here, from a
-disk store) and its children map the copy; nothing is ever written into the
-shared store.
+directly. Such a snapshot is copied once per owner (a VM factory, see
+:class:`LocalCopies`) into a run directory (tmpfs, holes kept; the default
+256 MiB snapshot took 86-503 ms here, from a disk store) and its children map
+the copy; nothing is ever written into the shared store.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from pytest_forkd.engine import memory
+from pytest_forkd.engine.rundir import RunDir, open_run_dir
 from pytest_forkd.errors import SnapshotError
 from pytest_forkd.paths import sanitize_tag
 from pytest_forkd.storage.backend import MEMORY_FILE, resolve_base
@@ -89,3 +91,49 @@ def local_copy(snapshot: Snapshot, store: SnapshotStore) -> Snapshot:
             },
         )
         return pending.publish(record)
+
+
+class LocalCopies:
+    """The local copies of one owner (a VM factory): at most one per snapshot, made when first needed.
+
+    Keyed by the snapshot's directory and creation time, so a snapshot
+    rebuilt under the same tag is copied again. The copies live in a run
+    directory of their own (created with the first copy), which :meth:`close`
+    removes with them; the owner closes it after the VMs that map them.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[Path, str], Snapshot | None] = {}
+        self._run_dir: RunDir | None = None
+        self._store: SnapshotStore | None = None
+        self._lock = threading.Lock()
+
+    def mappable(self, snapshot: Snapshot) -> Snapshot:
+        """``snapshot``, or its local copy (made now if this is the first child) when it cannot be mapped in place."""
+        with self._lock:
+            key = (snapshot.path, snapshot.created)
+            if key not in self._copies:
+                unmappable = unmappable_reason(snapshot) is not None
+                self._copies[key] = local_copy(snapshot, self._copies_store()) if unmappable else None
+            copied = self._copies[key]
+        return snapshot if copied is None else copied
+
+    def mapped(self, snapshot: Snapshot) -> Snapshot:
+        """The record children of ``snapshot`` were restored from so far: its copy if one was made, else itself."""
+        with self._lock:
+            copied = self._copies.get((snapshot.path, snapshot.created))
+        return snapshot if copied is None else copied
+
+    def close(self) -> None:
+        """Remove the copies with their run directory (a process still mapping one is killed with it)."""
+        with self._lock:
+            run_dir, self._run_dir, self._store = self._run_dir, None, None
+            self._copies.clear()
+        if run_dir is not None:
+            run_dir.close()
+
+    def _copies_store(self) -> SnapshotStore:
+        if self._store is None:
+            self._run_dir = open_run_dir("local copies of snapshots")
+            self._store = SnapshotStore(self._run_dir.path / "snapshots", clean=False)
+        return self._store

@@ -14,7 +14,6 @@ from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
 from pytest_forkd.engine.base import Capabilities, Engine, Machine, MemoryLayout, capability_names
 from pytest_forkd.errors import BackendError, GuestCrashed, VMError
-from pytest_forkd.storage.backend import registry
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore
 
@@ -25,7 +24,9 @@ def digest(path: Path) -> str:
 
 def backends_for(factory: VMFactory) -> list[str]:
     capabilities = factory.engine.capabilities()
-    return [b.id for b in registry() if b.id in ("full", "diff") and capabilities.missing(b.requires) is None]
+    return [
+        b.id for b in factory.runtime.backends if b.id in ("full", "diff") and capabilities.missing(b.requires) is None
+    ]
 
 
 # -- the interface itself ------------------------------------------------------------------
@@ -106,7 +107,7 @@ def test_children_start_from_the_snapshot_and_are_isolated(base: Snapshot) -> No
 @pytest.mark.parametrize("backend", ["full", "diff"])
 def test_a_branch_keeps_the_state_of_its_pause(factory: VMFactory, vm: VM, backend: str) -> None:
     if backend not in backends_for(factory):
-        pytest.skip(f"{backend} backend unavailable: {registry().get(backend).unavailable_reason()}")
+        pytest.skip(f"{backend} backend unavailable: {factory.runtime.backends.get(backend).unavailable_reason()}")
     vm.exec(["sh", "-c", "echo one > counter"])
     snapshot = vm.branch(backend=backend)
     vm.exec(["sh", "-c", "echo two > counter"])
@@ -184,7 +185,7 @@ def test_a_frozen_root_vm_goes_on_as_a_child_of_its_snapshot(factory: VMFactory,
 
 def test_the_live_backend_needs_the_live_snapshot_capability(factory: VMFactory, vm: VM) -> None:
     capabilities = factory.engine.capabilities()
-    uffd = registry().get("uffd")
+    uffd = factory.runtime.backends.get("uffd")
     if capabilities.live_snapshot:
         vm.exec(["sh", "-c", "echo live > state"])
         snapshot = vm.branch(backend="uffd")

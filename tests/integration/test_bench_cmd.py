@@ -9,11 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from pytest_forkd.core.runtime import Runtime
 from pytest_forkd.engine import memory
-from pytest_forkd.storage.backend import registry
 
 FORKD = str(Path(sys.executable).parent / "forkd")
 FIGURE_KEYS = {"n", "min", "p50", "p95", "max"}
+
+
+def unavailable(backend: str) -> str | None:
+    """Why the built-in ``backend`` cannot work on this host (as the forkd command sees it), or None."""
+    return Runtime().backends.get(backend).unavailable_reason()
 
 
 def run_forkd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -110,7 +115,7 @@ def test_bench_parts_report_pauses_memory_and_guest_speed(tmp_path: Path) -> Non
     assert printed["memory_conditions"]["guest_mib"] == 256
     assert printed["guest_python_slowdown"] > 0
     assert_figure(printed["guest_python_s"], 3)
-    if registry().get("uffd").unavailable_reason() is None:
+    if unavailable("uffd") is None:
         assert set(printed["uffd_pause_ms"]) == {"256"} and printed["uffd_pause_ms"]["256"] > 0
         assert "uffd_growth_ratio" not in printed  # one memory size: nothing to compare
         assert printed["uffd_pause_figures"]["256"]["n"] >= 15
@@ -128,8 +133,7 @@ def test_bench_refuses_unknown_parts_before_starting_anything() -> None:
 def test_sweep_writes_json_and_a_png_of_every_backend_that_works_here(tmp_path: Path) -> None:
     """All three backends where userfaultfd is permitted; the others (named, with the reason) elsewhere."""
     pytest.importorskip("matplotlib")
-    # the built-in ones (other tests of this session may have registered test backends here)
-    working = {name for name in ("full", "diff", "uffd") if registry().get(name).unavailable_reason() is None}
+    working = {name for name in ("full", "diff", "uffd") if unavailable(name) is None}
     assert {"full", "diff"} <= working
     plot = tmp_path / "sweep.png"
     result = run_forkd("bench", "--sweep", "--memory", "256", "--repeats", "1", "--plot", str(plot))
@@ -172,7 +176,7 @@ def test_bench_report_quick_writes_json_and_markdown_with_cpu_per_child(tmp_path
     assert tax["first_ms"]["n"] == 2 and tax["warm_ms"]["n"] == 2
     assert_figure(report["diff_pause_ms"], 10)
     assert report["child_pss_mib"] > 0
-    if registry().get("uffd").unavailable_reason() is None:
+    if unavailable("uffd") is None:
         assert set(report["uffd_pause_figures"]) == {"256", "1024"} and report["uffd_growth_ratio"] > 0
     for heading in ("## Forks", "## CPU per child", "## Branch pauses", "## Memory"):
         assert heading in markdown

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
+from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.errors import InvalidArgument
 from pytest_forkd.latency import timings
 
 
 @pytest.fixture
-def recorder() -> Iterator[timings.Recorder]:
+def recorder(factory: VMFactory, monkeypatch: pytest.MonkeyPatch) -> timings.Recorder:
+    """A fresh recorder for the factory's runtime during the test: the samples of the test's VM."""
     fresh = timings.Recorder()
-    previous = timings.set_active_recorder(fresh)
-    yield fresh
-    timings.set_active_recorder(previous)
+    monkeypatch.setattr(factory.runtime, "recorder", fresh)
+    return fresh
 
 
 def test_workload_and_harness_execs_are_recorded_apart(vm, recorder):

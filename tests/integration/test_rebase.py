@@ -16,8 +16,8 @@ from typing import Iterator
 
 import pytest
 
+from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
-from pytest_forkd.storage.backend import registry
 from pytest_forkd.storage.snapshot import Snapshot
 
 STEP = (
@@ -35,9 +35,9 @@ def sha256_of(path: Path) -> str:
 
 
 @pytest.fixture
-def eager_rebase(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    """The diff backend re-bases past 1 MiB (every branch of a VM that ran a command re-bases)."""
-    monkeypatch.setattr(registry().get("diff"), "rebase_mib", 1)
+def eager_rebase(factory: VMFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """The factory's diff backend re-bases past 1 MiB (every branch of a VM that ran a command re-bases)."""
+    monkeypatch.setattr(factory.runtime.backends.get("diff"), "rebase_mib", 1)
     yield 1
 
 
@@ -119,9 +119,7 @@ def test_live_branch_of_a_child_running_a_server_forks_working_children(vm: VM) 
     """A uffd branch of a child whose guest runs a background process captures the instant of its
     pause while the guest rewrites the same pages right after; its children boot and answer, and the
     base file its siblings map is not written."""
-    from pytest_forkd.storage.backend import registry
-
-    reason = registry().get("uffd").unavailable_reason()
+    reason = vm.factory.runtime.backends.get("uffd").unavailable_reason()
     if reason:
         pytest.skip(f"uffd is unavailable here: {reason}")
     base_file = vm.memory_base.memory_path

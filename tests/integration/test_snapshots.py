@@ -29,8 +29,6 @@ from pytest_forkd.storage.backend import (
     CaptureSource,
     StorageBackend,
     hookimpl,
-    register_plugin,
-    registry,
 )
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore
@@ -95,12 +93,11 @@ def owned() -> Iterator[Owned]:
 
 
 @pytest.fixture
-def recorder() -> Iterator[timings.Recorder]:
-    """A fresh timing recorder for the test (the previous one is put back afterwards)."""
+def recorder(factory: VMFactory, monkeypatch: pytest.MonkeyPatch) -> timings.Recorder:
+    """A fresh timing recorder for the factory's runtime during the test (its own is put back afterwards)."""
     fresh = timings.Recorder()
-    previous = timings.set_active_recorder(fresh)
-    yield fresh
-    timings.set_active_recorder(previous)
+    monkeypatch.setattr(factory.runtime, "recorder", fresh)
+    return fresh
 
 
 # -- external backends, registered as a third party would --------------------------------
@@ -136,7 +133,7 @@ class EngineLiveSnapshot(UffdBackend):
 
 
 class ItestBackends:
-    """A backend plugin object, registered at run time through ``register_plugin`` (no entry point)."""
+    """A backend plugin object, registered at run time with the factory's runtime (no entry point)."""
 
     @hookimpl
     def forkd_register_backends(self, registry: BackendRegistry) -> None:
@@ -146,10 +143,12 @@ class ItestBackends:
 
 
 @pytest.fixture(scope="module")
-def external_backends() -> None:
-    if FAILING_BACKEND not in registry():
-        register_plugin(ItestBackends())
-    assert {FAILING_BACKEND, EAGER_FLATTEN_BACKEND, LIVE_SNAPSHOT_BACKEND, *BACKENDS} <= set(registry().ids())
+def external_backends(factory: VMFactory) -> None:
+    if FAILING_BACKEND not in factory.runtime.backends:
+        factory.runtime.register(ItestBackends())
+    assert {FAILING_BACKEND, EAGER_FLATTEN_BACKEND, LIVE_SNAPSHOT_BACKEND, *BACKENDS} <= set(
+        factory.runtime.backends.ids()
+    )
 
 
 # -- isolation ---------------------------------------------------------------------------
@@ -208,7 +207,7 @@ def test_ten_diff_branches_in_a_row_copy_only_what_the_guest_changed(
     the pauses take is ``forkd bench``'s to measure (``diff_pause_10th_over_2nd``); what the pause
     copies is deterministic and checked here.
     """
-    monkeypatch.setattr(registry().get("diff"), "rebase_mib", None)
+    monkeypatch.setattr(vm.factory.runtime.backends.get("diff"), "rebase_mib", None)
     written = 256 * 1024
     snapshots = []
     for number in range(10):
@@ -458,7 +457,7 @@ def test_diff_past_the_threshold_is_flattened_into_its_own_memory(
     snapshot = vm.branch(backend=EAGER_FLATTEN_BACKEND)
     assert snapshot.diff_file is not None and snapshot.memory_file is None and snapshot.base is not None
 
-    registry().get(EAGER_FLATTEN_BACKEND).wait_flattened(timeout=120)
+    vm.factory.runtime.backends.get(EAGER_FLATTEN_BACKEND).wait_flattened(timeout=120)
 
     flattened = SnapshotStore(snapshot.path.parent).get(snapshot.tag).with_owner(vm.factory)
     assert flattened.memory_path is not None and flattened.memory_path.is_file()

@@ -201,9 +201,7 @@ def test_restore_keeps_the_forwarded_host_port(net_vm: VM) -> None:
 
 @pytest.mark.parametrize("backend", ["full", "diff", "uffd"])
 def test_every_backend_branches_a_networked_vm(net_vm: VM, backend: str) -> None:
-    from pytest_forkd.storage.backend import registry
-
-    reason = registry().get(backend).unavailable_reason()
+    reason = net_vm.factory.runtime.backends.get(backend).unavailable_reason()
     if reason:
         pytest.skip(f"{backend} is unavailable here: {reason}")
     start_guest_server(net_vm)

@@ -1,7 +1,7 @@
 """Per-test budgets and the strict compare gate, driven by recorded samples (no VM needed).
 
-The inner tests record timing samples themselves through ``pytest_forkd.latency.timings``,
-exactly where the VM layer reports them, so each outcome is deterministic.
+The inner tests record timing samples themselves on the session's recorder (``forkd.timings``),
+where the VMs of the session report theirs, so each outcome is deterministic.
 """
 
 from __future__ import annotations
@@ -12,35 +12,34 @@ import pytest
 
 SUITE = """
 import pytest
-from pytest_forkd.latency import timings
 
 @pytest.fixture
-def slow_teardown():
+def slow_teardown(forkd):
     yield
-    timings.record("exec", 7.0)
+    forkd.timings.record("exec", 7.0)
 
-def test_before():
-    timings.record("exec", 5.0)
+def test_before(forkd):
+    forkd.timings.record("exec", 5.0)
 
 @pytest.mark.forkd_budget(exec_ms=6)
-def test_broken_by_its_teardown(slow_teardown):
-    timings.record("exec", 5.0)
+def test_broken_by_its_teardown(forkd, slow_teardown):
+    forkd.timings.record("exec", 5.0)
 
 @pytest.mark.forkd_budget(exec_ms=60000, fork_ms=60000)
-def test_within_a_huge_budget():
-    timings.record("exec", 5.0)
-    timings.record("fork", 50.0)
+def test_within_a_huge_budget(forkd):
+    forkd.timings.record("exec", 5.0)
+    forkd.timings.record("fork", 50.0)
 
-def test_fixture_budget(forkd_budget):
+def test_fixture_budget(forkd, forkd_budget):
     forkd_budget(fork_ms=1)
-    timings.record("fork", 2.5)
+    forkd.timings.record("fork", 2.5)
 
 @pytest.mark.forkd_budget(exec_ms=1)
-def test_workload_is_left_out():
-    timings.record("exec[workload]", 500.0)
+def test_workload_is_left_out(forkd):
+    forkd.timings.record("exec[workload]", 500.0)
 
-def test_after():
-    timings.record("exec", 5.0)
+def test_after(forkd):
+    forkd.timings.record("exec", 5.0)
 """
 
 
@@ -83,11 +82,10 @@ def test_a_failing_test_keeps_its_own_failure_and_gets_the_budget_as_a_section(p
     pytester.makepyfile(
         test_both="""
         import pytest
-        from pytest_forkd.latency import timings
 
         @pytest.mark.forkd_budget(exec_ms=1)
-        def test_fails_and_is_slow():
-            timings.record("exec", 5.0)
+        def test_fails_and_is_slow(forkd):
+            forkd.timings.record("exec", 5.0)
             assert False, "the test's own failure"
     """
     )
@@ -100,15 +98,14 @@ def test_session_fixture_work_is_charged_to_no_test(pytester, run, tmp_path):
     pytester.makepyfile(
         test_session="""
         import pytest
-        from pytest_forkd.latency import timings
 
         @pytest.fixture(scope="session")
-        def prepared():
-            timings.record("exec", 900.0)
+        def prepared(forkd):
+            forkd.timings.record("exec", 900.0)
 
         @pytest.mark.forkd_budget(exec_ms=10)
-        def test_first_to_use_it(prepared):
-            timings.record("exec", 5.0)
+        def test_first_to_use_it(forkd, prepared):
+            forkd.timings.record("exec", 5.0)
     """
     )
     report = tmp_path / "report.json"
@@ -151,11 +148,9 @@ def test_a_budget_on_an_unknown_operation_names_the_key(pytester, run):
 
 
 RECORDING = """
-from pytest_forkd.latency import timings
-
-def test_records():
+def test_records(forkd):
     for ms in (20.0, 21.0, 22.0, 23.0, 24.0, 25.0):
-        timings.record("fork", ms, backend="{backend}")
+        forkd.timings.record("fork", ms, backend="{backend}")
 """
 
 

@@ -27,6 +27,7 @@ from pytest_forkd.errors import (
 from pytest_forkd.guest import wire
 from pytest_forkd.guest.agent import _LiveBuffer, _unignore_terminal_signals
 from pytest_forkd.guest.client import AgentClient, spawn_request
+from pytest_forkd.waiting import poll_until
 
 
 class HostVM:
@@ -91,10 +92,10 @@ def test_stdin_round_trip_and_close(vm: HostVM) -> None:
 
 def test_wait_timeout_then_kill(vm: HostVM) -> None:
     proc = vm.spawn(["sleep", "100"])
-    with pytest.raises(ProcessTimeout, match="still running after 0.2 s"):
-        proc.wait(timeout=0.2)
+    with pytest.raises(ProcessTimeout, match="still running after 0.1 s"):
+        proc.wait(timeout=0.1)
     with pytest.raises(ProcessTimeout):
-        proc.stdout.readline(timeout=0.1)
+        proc.stdout.readline(timeout=0.05)
     proc.kill()
     assert proc.wait(timeout=10) == -signal.SIGTERM
     assert [entry["kind"] for entry in vm.transcript.entries] == ["signal"]
@@ -125,7 +126,9 @@ def test_terminal_spawn_resize_and_exec(vm: HostVM) -> None:
 
 def test_unread_output_is_bounded_and_the_middle_dropped(vm: HostVM) -> None:
     proc = vm.spawn(["yes"], max_output=64 << 10)
-    time.sleep(1)
+    window, _ = output_bounds(64 << 10)
+    poll_until(lambda: proc.stdout.total >= window, timeout=10, what="the host's window to fill")
+    time.sleep(0.2)  # `yes` writes on all the while: room for the host to take more than it may
     assert proc.stdout.total <= 256 << 10  # the host holds no more than its window
     assert proc.stdout.readline(timeout=10) == b"y\n"
     drained = 0
@@ -135,6 +138,9 @@ def test_unread_output_is_bounded_and_the_middle_dropped(vm: HostVM) -> None:
     assert proc.truncated and proc.stdout.skipped > 0
     proc.kill(signal.SIGKILL)
     assert proc.wait(timeout=10) == -signal.SIGKILL
+    # What the guest still held is read to its end, so its output pump ends too (teardown need not wait for it).
+    proc.stdout.read(timeout=10)
+    assert proc.stdout.ended
 
 
 def test_attach_again_moves_the_stream_and_the_old_handle_is_told(vm: HostVM) -> None:
@@ -316,8 +322,8 @@ def test_async_handle_reads_lines_and_a_cancelled_read_loses_nothing(vm: HostVM)
         assert [line async for line in proc.stdout] == [b"one\n", b"two\n"]
         assert await proc.wait(timeout=10) == 0
         sleeper = await avm.spawn(["sleep", "100"])
-        with pytest.raises(ProcessTimeout, match="within 0.3 s"):
-            await sleeper.wait(timeout=0.3)
+        with pytest.raises(ProcessTimeout, match="within 0.1 s"):
+            await sleeper.wait(timeout=0.1)
         await sleeper.kill(signal.SIGKILL)
         assert await sleeper.wait(timeout=10) == -signal.SIGKILL
 
@@ -328,7 +334,7 @@ def test_output_read_after_the_end_is_bounded_by_max_output_like_exec(vm: HostVM
     limit = 100_000
     process = vm.spawn(["head", "-c", "3000000", "/dev/zero"], max_output=limit)
     assert process.wait(timeout=30) == 0
-    time.sleep(0.5)  # let the guest side take in all of it
+    time.sleep(0.2)  # let the guest side take in all of it (the pipe holds what is left: 64 KiB at most)
     data = process.stdout.read(timeout=30)
     assert len(data) <= limit and process.truncated
     assert len(data) + process.stdout.skipped == 3_000_000

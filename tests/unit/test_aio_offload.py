@@ -86,7 +86,10 @@ def test_the_result_of_a_cancelled_call_is_discarded() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         release.set()
-        await asyncio.sleep(0.2)
+        for _ in range(500):  # the loop stays up until the finished call's result was discarded
+            if done.is_set():
+                break
+            await asyncio.sleep(0.01)
 
     asyncio.run(main())
 
@@ -97,12 +100,12 @@ def test_an_uninterruptible_call_finishes_before_the_cancellation_goes_through()
     finished: list[float] = []
 
     def change_in_place() -> None:
-        time.sleep(0.3)
+        time.sleep(0.15)
         finished.append(time.monotonic())
 
     async def main() -> float:
         task = asyncio.create_task(uninterruptible(offload(asyncio.get_running_loop(), change_in_place, name="c")))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.03)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

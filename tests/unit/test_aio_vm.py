@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,24 +41,35 @@ def host_vm() -> Iterator[HostVM]:
         yield HostVM(client)
 
 
-def test_a_cancellation_the_guest_does_not_confirm_marks_the_handle_broken(host_vm: HostVM, monkeypatch) -> None:
+def test_a_cancellation_the_guest_does_not_confirm_marks_the_handle_broken(
+    host_vm: HostVM, monkeypatch, tmp_path
+) -> None:
     def no_answer(client: AgentClient, request_id: int, timeout: float = 0) -> dict:
         raise AgentTimeout("the guest agent did not answer 'cancel' within 15 s")
 
     monkeypatch.setattr(aio_vm, "cancel_request", no_answer)
+    pid_file = tmp_path / "pid"
+    running = f"echo $$ > {pid_file}; exec sleep 30"
 
     async def main() -> None:
         avm = AsyncVM(host_vm)  # type: ignore[arg-type]
-        command = asyncio.create_task(avm.exec("sleep 2"))
-        await asyncio.sleep(0.3)
+        command = asyncio.create_task(avm.exec(running))
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            await asyncio.sleep(0.02)
         command.cancel()
         with pytest.raises(asyncio.CancelledError):
             await command
         assert avm.broken is not None and "did not answer 'cancel'" in avm.broken
-        with pytest.raises(VMError, match="cannot be used for running 'true': cancelling running 'sleep 2'"):
+        with pytest.raises(
+            VMError, match=re.escape(f"cannot be used for running 'true': cancelling running {running!r}")
+        ):
             await avm.exec("true")
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:  # the guest never heard of the cancellation: end the command, so the agent's teardown need not wait
+        if pid_file.exists() and pid_file.read_text().strip():
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_a_cancelled_exec_is_killed_and_the_next_one_runs(host_vm: HostVM, tmp_path) -> None:

@@ -26,9 +26,9 @@ def test_a_long_step_is_reported_again_until_it_ends(monkeypatch):
     clock = _Clock(lines.append, "web")
     threads_before = threading.active_count()
     with clock.step("setup[1/1] $ apt-get install -y jq"):
-        time.sleep(0.3)
+        time.sleep(0.2)
     count = len(lines)
-    time.sleep(0.15)
+    time.sleep(0.1)
     assert len(lines) == count, "a reminder came after the step ended"
     reminders = [line for line in lines if "still running" in line]
     assert reminders and all(line.endswith(": setup[1/1] $ apt-get install -y jq") for line in reminders)

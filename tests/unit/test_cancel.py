@@ -60,18 +60,19 @@ def test_the_first_signal_is_a_keyboard_interrupt_so_cleanup_code_runs(tmp_path:
 
 
 def test_a_cleanup_that_hangs_is_cut_short_after_the_grace_period(tmp_path: Path) -> None:
-    process = start(tmp_path, grace=0.5, after="time.sleep(600)")
+    process = start(tmp_path, grace=0.1, after="time.sleep(600)")
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGTERM
     assert (tmp_path / "mark").read_text() == "cleaned"  # VMs killed, run directories removed
-    assert "SIGTERM: still running 0.5 s after the signal; killing this run's VMs" in err
+    assert "SIGTERM: still running 0.1 s after the signal; killing this run's VMs" in err
 
 
 def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
     process = start(tmp_path, after="time.sleep(600)")
     process.send_signal(signal.SIGTERM)
-    time.sleep(0.5)  # the first signal is being handled (the program sleeps in its cleanup)
+    assert process.stdout is not None  # the first signal is being handled (the program sleeps in its cleanup):
+    assert process.stdout.readline().startswith("interrupted: SIGTERM")
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGINT
@@ -84,7 +85,7 @@ def test_a_signal_someone_else_handles_or_ignores_is_left_alone(tmp_path: Path) 
         before="signal.signal(signal.SIGTERM, lambda *a: sys.exit(5)); signal.signal(signal.SIGHUP, signal.SIG_IGN)",
     )
     process.send_signal(signal.SIGHUP)  # ignored, as nohup would have it
-    time.sleep(0.3)
+    time.sleep(0.1)
     assert process.poll() is None
     process.send_signal(signal.SIGTERM)  # the program's own handler
     process.communicate(timeout=30)

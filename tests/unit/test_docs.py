@@ -22,6 +22,7 @@ from types import ModuleType
 
 import pytest
 import yaml
+from parsed_sources import nodes
 
 from pytest_forkd import errors
 from pytest_forkd.cli import build_parser
@@ -242,7 +243,7 @@ def test_docstrings_dedent_cleanly() -> None:
     breakers = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
     bad = []
     for path in (REPO / "pytest_forkd").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in nodes(path):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 text = ast.get_docstring(node, clean=False)
                 if text and breakers.search(text):

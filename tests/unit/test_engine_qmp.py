@@ -170,7 +170,7 @@ def test_a_command_qemu_never_answers_times_out(serve: Callable[..., FakeQMPServ
     client = QMPClient(str(serve(lambda command, fds: []).path))
     try:
         with pytest.raises(QMPError, match="did not answer in time"):
-            client.execute("query-migrate", timeout=0.2)
+            client.execute("query-migrate", timeout=0.05)
     finally:
         client.close()
 
@@ -179,7 +179,7 @@ def test_a_timed_out_command_is_named_in_the_error(serve: Callable[..., FakeQMPS
     client = QMPClient(str(serve(lambda command, fds: []).path))
     try:
         with pytest.raises(QMPError, match="query-migrate"):
-            client.execute("query-migrate", timeout=0.2)
+            client.execute("query-migrate", timeout=0.05)
     finally:
         client.close()
 
@@ -331,5 +331,5 @@ def test_a_timed_out_command_closes_the_client(serve: Callable[..., FakeQMPServe
     """A reply that arrives after the timeout would answer the next command: the session is over."""
     client = QMPClient(str(serve(lambda command, fds: []).path))
     with pytest.raises(QMPConnectionError, match="did not answer in time"):
-        client.execute("query-migrate", timeout=0.2)
+        client.execute("query-migrate", timeout=0.05)
     assert client.closed

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from parsed_sources import nodes, parsed
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pytest_forkd"
@@ -91,11 +92,6 @@ def _runtime_nodes(tree: ast.AST):
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
-
-
-@functools.lru_cache(maxsize=None)
-def parsed(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(), str(path))
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
@@ -216,7 +212,7 @@ def test_no_module_outside_the_engine_imports_the_qemu_engine() -> None:
 
 def _probes_for_qemu(path: Path) -> bool:
     """Whether the module asks an object whether it is QEMU's: ``hasattr(x, "qmp")``, ``getattr(x, "qemu")``."""
-    for node in ast.walk(parsed(path)):
+    for node in nodes(path):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
             names = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             if any(name.lower() in ("qmp", "qemu") for name in names):
@@ -253,9 +249,7 @@ def test_vm_driving_modules_reach_the_engine_through_its_interface_only(user: st
 
 
 def _string_constants(path: Path) -> list[str]:
-    return [
-        node.value for node in ast.walk(parsed(path)) if isinstance(node, ast.Constant) and isinstance(node.value, str)
-    ]
+    return [node.value for node in nodes(path) if isinstance(node, ast.Constant) and isinstance(node.value, str)]
 
 
 def test_no_module_outside_the_qemu_engine_names_a_qmp_command_or_qemu_flag() -> None:
@@ -266,7 +260,7 @@ def test_no_module_outside_the_qemu_engine_names_a_qmp_command_or_qemu_flag() ->
             continue
         docstrings = {
             ast.get_docstring(node, clean=False)
-            for node in ast.walk(parsed(path))
+            for node in nodes(path)
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
         }
         hits = sorted(

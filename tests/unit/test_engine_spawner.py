@@ -26,7 +26,7 @@ def test_child_outlives_the_thread_that_requested_it() -> None:
     requester.start()
     requester.join()
     try:
-        time.sleep(0.5)  # a PDEATHSIG tied to the requesting thread would have fired by now
+        time.sleep(0.1)  # a PDEATHSIG tied to the requesting thread would have fired by now
         assert children[0].poll() is None
     finally:
         children[0].kill()
@@ -82,7 +82,7 @@ def test_a_start_that_hangs_is_given_up_on_in_bounded_time_and_the_next_start_wo
 
     monkeypatch.setattr(spawner, "_die_with_parent", slow_start)
     try:
-        spawn([sys.executable, "-c", "import time; time.sleep(600)", marker], timeout=0.5)
+        spawn([sys.executable, "-c", "import time; time.sleep(600)", marker], timeout=0.2)
     except spawner.SpawnTimeout as exc:  # raised only by the bounded wait: the child was still asleep
         assert "did not complete within" in str(exc) and "hung" in str(exc)
     else:

@@ -28,7 +28,6 @@ from pytest_forkd.errors import (
     VMError,
     VMStartError,
 )
-from pytest_forkd.storage.backend import registry
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.waiting import poll_until
 
@@ -245,7 +244,7 @@ def test_a_pool_closed_while_refilling_closes_what_it_made() -> None:
 # -- diffs -----------------------------------------------------------------------------------------------
 @needs_dirty_tracking
 def test_a_large_diff_is_flattened_and_its_children_map_the_flat_file(factory: VMFactory, vm: VM) -> None:
-    diff = registry().get("diff")
+    diff = factory.runtime.backends.get("diff")
     previous = diff.flatten_fraction
     diff.flatten_fraction = 0.0
     try:

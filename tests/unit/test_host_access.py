@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pytest_forkd.cli import doctor_cmd
+from pytest_forkd.core.runtime import Runtime
 from pytest_forkd.engine.qemu import host
 from pytest_forkd.errors import BackendError, HostNotReady
-from pytest_forkd.storage.backend import registry
 
 
 def fake_qemu(directory: Path, version_line: str) -> Path:
@@ -66,7 +66,7 @@ def test_without_userfaultfd_the_reason_names_the_sysctl_and_the_uffd_backend_re
     assert problem is not None
     assert "vm.unprivileged_userfaultfd=" in problem and "CAP_SYS_PTRACE" in problem
     assert "sudo sysctl -w vm.unprivileged_userfaultfd=1" in problem
-    uffd = registry().get("uffd")
+    uffd = Runtime().backends.get("uffd")
     assert uffd.unavailable_reason() == problem
     with pytest.raises(
         BackendError, match="storage backend 'uffd' is unavailable on this host: .*vm.unprivileged_userfaultfd"

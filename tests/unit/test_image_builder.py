@@ -132,7 +132,7 @@ def test_second_build_is_a_cache_hit_and_force_rebuilds(
 def test_concurrent_builds_of_one_key_build_once(
     cache: Path, guest_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake = FakePipeline(delay=0.3)
+    fake = FakePipeline(delay=0.15)
     monkeypatch.setattr(builder, "_run_pipeline", fake)
     messages: list[str] = []
     results: list[Any] = []

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from parsed_sources import parsed
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "pytest_forkd"
@@ -101,7 +102,7 @@ def imports_of(name: str, path: Path, known: set[str], type_checking: bool = Fal
     """The package modules ``name`` imports at run time (absolute names), or for the type checker too."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path)), type_checking):
+    for node in _runtime_nodes(parsed(path), type_checking):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -330,8 +330,8 @@ def test_wait_ready_times_out_with_a_clear_message(tmp_path: Path) -> None:
     writing.save_to(tmp_path)
 
     started = time.monotonic()
-    with pytest.raises(SnapshotError, match="still being written after 0.3 s"):
-        writing.wait_ready(timeout=0.3)
+    with pytest.raises(SnapshotError, match="still being written after 0.1 s"):
+        writing.wait_ready(timeout=0.1)
     assert time.monotonic() - started < 3
 
 

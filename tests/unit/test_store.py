@@ -698,7 +698,7 @@ def test_lock_excludes_other_processes(store: SnapshotStore) -> None:
     script = (
         "import sys, filelock\n"
         "try:\n"
-        "    filelock.FileLock(sys.argv[1], timeout=0.2).acquire()\n"
+        "    filelock.FileLock(sys.argv[1], timeout=0.05).acquire()\n"
         "except filelock.Timeout:\n"
         "    sys.exit(3)\n"
     )

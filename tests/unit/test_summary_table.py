@@ -35,7 +35,7 @@ def test_builds_have_their_own_row_without_a_budget():
 
 
 def test_the_controller_keeps_one_of_each_marker_budget():
-    state = RunState(config=None, recorder=Recorder(), previous_recorder=Recorder())  # type: ignore[arg-type]
+    state = RunState(config=None, recorder=Recorder())  # type: ignore[arg-type]
     hooks = XdistHooks(state)
     worker = Recorder()
     worker.record("exec", 12.0, test="t::a")

@@ -195,7 +195,7 @@ def test_a_chunk_pipe_bounds_what_it_holds_and_notices_stalls() -> None:
     pipe.put(b"0123456789")
     blocked = threading.Thread(target=pipe.put, args=(b"more",))
     blocked.start()
-    blocked.join(0.2)
+    blocked.join(0.05)
     assert blocked.is_alive()  # full: the writer waits for the reader
     assert pipe.read(4) == b"0123"
     blocked.join(5)
@@ -203,7 +203,7 @@ def test_a_chunk_pipe_bounds_what_it_holds_and_notices_stalls() -> None:
     pipe.close_reader()
     pipe.put(b"dropped")  # the reader left: writers never block again
 
-    stalled = ChunkPipe(stall_timeout=0.2)
+    stalled = ChunkPipe(stall_timeout=0.05)
     started = time.monotonic()
     with pytest.raises(PipeStalled):
         stalled.read(10)
@@ -269,7 +269,7 @@ def test_a_hostile_archive_is_refused_by_copy_out(tmp_path: Path, monkeypatch: p
 def test_a_guest_that_sends_past_its_credit_or_the_archive_is_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(copy_module, "CANCEL_TIMEOUT", 1.0)  # this guest answers nothing, not even a cancel
+    monkeypatch.setattr(copy_module, "CANCEL_TIMEOUT", 0.1)  # this guest answers nothing, not even a cancel
     host_end, guest_end = socket.socketpair()
     reader = wire.FrameReader(guest_end.recv)
     good = archive(ROOT, ("ok", tarfile.REGTYPE, b"fine"))

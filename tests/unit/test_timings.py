@@ -11,14 +11,6 @@ from pytest_forkd.latency import timings
 from pytest_forkd.latency.timings import Recorder, Sample
 
 
-@pytest.fixture
-def fresh_active_recorder():
-    recorder = Recorder()
-    previous = timings.set_active_recorder(recorder)
-    yield recorder
-    timings.set_active_recorder(previous)
-
-
 def test_sample_round_trips_through_json_safe_dict():
     sample = Sample(
         op=timings.OP_BRANCH_PAUSE,
@@ -124,21 +116,6 @@ def test_worker_samples_merge_through_json():
 def test_from_json_rejects_malformed_input(text, message):
     with pytest.raises(ConfigError, match=message):
         Recorder.from_json(text)
-
-
-def test_module_functions_report_to_the_active_recorder(fresh_active_recorder):
-    assert timings.active_recorder() is fresh_active_recorder
-    timings.record("exec", 0.3, backend="full")
-    timings.record("checkpoint", 1.0)
-    assert [s.op for s in fresh_active_recorder.samples()] == ["exec", "checkpoint"]
-
-
-def test_set_active_recorder_returns_the_previous_one(fresh_active_recorder):
-    replacement = Recorder()
-    assert timings.set_active_recorder(replacement) is fresh_active_recorder
-    timings.record("fork", 1.0)
-    assert len(replacement.samples()) == 1
-    assert fresh_active_recorder.samples() == []
 
 
 def test_known_ops_contain_every_operation_constant():

@@ -9,7 +9,6 @@ from typing import Any, Callable
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
 from pytest_forkd.image import ensure_image
-from pytest_forkd.storage.backend import registry
 from pytest_forkd.storage.store import SnapshotStore
 
 from .common import BenchPlan, _conditions, _ms, figure
@@ -31,7 +30,7 @@ def measure_branches(
     latency of each memory size is measured too (for the sweep plot).
     """
     rows = []
-    available = {b.id: b.unavailable_reason() for b in registry().all()}
+    available = {b.id: b.unavailable_reason() for b in factory.runtime.backends.all()}
     for memory_mib in plan.memory_mib:
         root = factory.boot(memory_mib=memory_mib)
         base = root.freeze(f"bench-m{memory_mib}")  # root continues as a child of its base

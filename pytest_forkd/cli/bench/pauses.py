@@ -6,7 +6,6 @@ import statistics
 from typing import Any, Callable
 
 from pytest_forkd.core.factory import VMFactory
-from pytest_forkd.storage.backend import registry
 from pytest_forkd.storage.store import SnapshotStore
 
 from .common import figure
@@ -20,8 +19,9 @@ def measure_uffd_pause(
     factory: VMFactory, memory_sizes: list[int], repeats: int, progress: Callable[[str], None]
 ) -> dict[str, Any]:
     """``uffd_pause_ms`` {memory: p50} of a child that branches live, and the growth between the sizes."""
-    if registry().get("uffd").unavailable_reason():
-        progress(f"skipping uffd pause: {registry().get('uffd').unavailable_reason()}")
+    reason = factory.runtime.backends.get("uffd").unavailable_reason()
+    if reason:
+        progress(f"skipping uffd pause: {reason}")
         return {}
     pauses: dict[int, list[float]] = {}
     methods: set[str] = set()

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pytest_forkd.core.factory import VMFactory
-from pytest_forkd.storage.backend import registry
 from pytest_forkd.storage.store import SnapshotStore
 
 
@@ -67,7 +66,7 @@ def measure_memory(factory: VMFactory, base: Any, children: int, progress: Calla
         for kid in kids:
             kid.exec(["true"])
         parent.exec(["python3", "-c", "import json, hashlib; print(len(json.dumps(list(range(100000)))))"], check=True)
-        backends = ["diff"] + ([] if registry().get("uffd").unavailable_reason() else ["uffd"])
+        backends = ["diff"] + ([] if factory.runtime.backends.get("uffd").unavailable_reason() else ["uffd"])
         for backend in backends:
             snapshot = parent.branch(backend=backend)
             taken.append(snapshot.wait_ready(timeout=600) if not snapshot.is_ready else snapshot)
