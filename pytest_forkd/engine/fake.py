@@ -68,7 +68,9 @@ STATE_FORMAT = "forkd-fake-device-state/1"
 #: are killed then, before the agent exits, as they would be reparented out of the machine's reach.
 LAUNCHER = """\
 import ctypes, os, runpy, signal, sys
-ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+libc = ctypes.CDLL(None)
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: killed with the process that spawned it
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, script.rpartition('/')[0])
@@ -299,6 +301,7 @@ class FakeMachine:
                 cwd=self.root,
                 env=env,
                 start_new_session=True,
+                die_with_parent=False,  # the launcher sets its death signal itself: see LAUNCHER
             )
         finally:
             os.close(console)

@@ -71,6 +71,44 @@ def test_child_is_killed_when_its_owner_is_killed() -> None:
             os.kill(child_pid, signal.SIGKILL)
 
 
+PAUSED_FAKE_AGENT_OWNER_SCRIPT = """
+import os, signal, socket, subprocess, sys, threading
+from pytest_forkd.engine.fake import AGENT_SCRIPT, LAUNCHER
+from pytest_forkd.engine.spawner import spawn
+host, guest = socket.socketpair()
+argv = [sys.executable, "-E", "-s", "-S", "-c", LAUNCHER, str(AGENT_SCRIPT), "--stdio"]
+children = []
+start = lambda: children.append(
+    spawn(argv, stdin=guest, stdout=guest, stderr=subprocess.PIPE, start_new_session=True, die_with_parent=False)
+)
+worker = threading.Thread(target=start)
+worker.start()
+worker.join()
+children[0].stderr.readline()  # "serving on --stdio": the launcher has set its death signal
+os.kill(children[0].pid, signal.SIGSTOP)  # a paused machine: its agent cannot notice the channel closing
+print(children[0].pid, flush=True)
+signal.pause()
+"""
+
+
+def test_a_fake_agent_sets_its_own_death_signal_and_dies_with_its_owner_even_paused() -> None:
+    """The fake engine starts its agent without code between fork and exec (spawn(die_with_parent=False))."""
+    owner = subprocess.Popen([sys.executable, "-c", PAUSED_FAKE_AGENT_OWNER_SCRIPT], stdout=subprocess.PIPE, text=True)
+    agent_pid = None
+    try:
+        agent_pid = int(owner.stdout.readline())  # type: ignore[union-attr]
+        assert is_running(agent_pid)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        assert wait_until_dead(agent_pid, seconds=10), f"agent {agent_pid} survived its owner's SIGKILL"
+    finally:
+        owner.kill()
+        owner.wait()
+        owner.stdout.close()  # type: ignore[union-attr]
+        if agent_pid is not None and is_running(agent_pid):
+            os.kill(agent_pid, signal.SIGKILL)
+
+
 def test_a_start_that_hangs_is_given_up_on_in_bounded_time_and_the_next_start_works(monkeypatch) -> None:
     """A fork that never reaches exec (simulated: the child sleeps before it) must not block its caller."""
     from pytest_forkd.engine import spawner

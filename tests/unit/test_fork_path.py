@@ -37,6 +37,7 @@ step a record that forks itself or a module-level hook makes.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from parsed_sources import nodes, parsed
 from test_layers import ROOT, layer_of, module_files
 
 _T = TypeVar("_T")
@@ -140,10 +142,10 @@ class Package:
                         self.subclasses.setdefault(resolved.key, []).append(info)
 
     def _index(self, name: str, path: Path) -> ModuleInfo:
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)  # shared with the other source checks: read, never changed
         info = ModuleInfo(name, tree)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(tree):
+        for node in nodes(path):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname:
@@ -592,13 +594,19 @@ class _Scope(ast.NodeVisitor):
 # -- the figures --------------------------------------------------------------------------------------------------
 def walk_fork_path(*, path: bool, root: Path | None = None) -> Walk:
     """The walk from :data:`START`: the path (``path=True``) or every call below it."""
-    package = Package(root)
+    package = Package(root) if root is not None else this_package()
     module, qualname = START
     class_name, method_name = qualname.split(".")
     cls = package.modules[module].classes[class_name]
     walk = Walk(package, path=path)
     walk.visit(module, qualname, cls.methods[method_name], cls)
     return walk
+
+
+@functools.lru_cache(maxsize=1)
+def this_package() -> Package:
+    """This checkout's package, indexed once for every walk of the module."""
+    return Package()
 
 
 def stays(visits: list[Visit]) -> list[tuple[str, list[str]]]:
@@ -695,7 +703,7 @@ def test_the_path_leaves_out_handlers_the_walk_below_reads_them(path: Walk, ever
 
 
 def test_the_walk_counts_a_callback_as_a_climb() -> None:
-    walk = Walk(Package(), path=False)
+    walk = Walk(this_package(), path=False)
     walk.calls = {
         ("pytest_forkd.storage.snapshot", "Snapshot.fork", "pytest_forkd.core.factory", "VMFactory.fork_snapshot"),
         ("pytest_forkd.core.factory", "VMFactory.fork_snapshot", "pytest_forkd.storage.store", "resolve_base"),
