@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pytest_forkd.core.runtime import Runtime
 from pytest_forkd.errors import VMError
+from pytest_forkd.latency.timings import Recorder
 from pytest_forkd.project.config import Project
 from pytest_forkd.project.settings import Settings, VMChoice
 from pytest_forkd.storage.snapshot import Snapshot
@@ -57,11 +58,16 @@ class ForkdSession:
         project: Project,
         *,
         runtime: Runtime | None = None,
+        recorder: Recorder | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
+        """``runtime``: the backends and recorder to run with (a fresh one by default); ``recorder`` alone
+        gives a fresh runtime that records there (the form of earlier versions)."""
+        if runtime is not None and recorder is not None and runtime.recorder is not recorder:
+            raise ValueError("pass either runtime= or recorder= (the runtime's recorder), not both")
         self.settings = settings
         self.project = project
-        self.runtime = runtime if runtime is not None else Runtime()
+        self.runtime = runtime if runtime is not None else Runtime(recorder=recorder)
         """The storage backends and the timing recorder of this session's VMs (handed to its factory)."""
         self.timings = self.runtime.recorder
         """Every timing sample of this session's VMs (``self.runtime.recorder``)."""

@@ -227,3 +227,18 @@ def test_a_session_hands_its_runtime_to_its_factory_and_reads_timings_from_its_r
         assert first.factory.runtime is first.runtime
         assert first.timings is first.runtime.recorder
         assert first.runtime is not second.runtime and first.timings is not second.timings
+
+
+def test_a_session_given_only_a_recorder_records_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The constructor's earlier form, ``ForkdSession(settings, project, recorder=...)``, still works."""
+    from pytest_forkd.latency.timings import Recorder
+    from pytest_forkd.project.session import ForkdSession
+
+    monkeypatch.setenv("PYTEST_FORKD_STORE", str(tmp_path / "store"))
+    with ForkdSession.open() as opened:
+        recorder = Recorder()
+        with ForkdSession(opened.settings, opened.project, recorder=recorder) as session:
+            assert session.timings is recorder and session.runtime.recorder is recorder
+            assert session.factory.runtime is session.runtime
+        with pytest.raises(ValueError, match="not both"):
+            ForkdSession(opened.settings, opened.project, runtime=opened.runtime, recorder=Recorder())
