@@ -54,21 +54,26 @@ time.sleep(600)
 """
 
 
-def test_child_is_killed_when_its_owner_is_killed() -> None:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT], stdout=subprocess.PIPE, text=True)
+def assert_dies_with_its_owner(owner_script: str, what: str) -> None:
+    """Run ``owner_script`` (it prints the pid of a process it spawned), SIGKILL it, and check that process dies too."""
+    owner = subprocess.Popen([sys.executable, "-c", owner_script], stdout=subprocess.PIPE, text=True)
     child_pid = None
     try:
         child_pid = int(owner.stdout.readline())  # type: ignore[union-attr]
         assert is_running(child_pid)
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
-        assert wait_until_dead(child_pid, seconds=10), f"sleep {child_pid} survived its owner's SIGKILL"
+        assert wait_until_dead(child_pid, seconds=10), f"{what} {child_pid} survived its owner's SIGKILL"
     finally:
         owner.kill()
         owner.wait()
         owner.stdout.close()  # type: ignore[union-attr]
         if child_pid is not None and is_running(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def test_child_is_killed_when_its_owner_is_killed() -> None:
+    assert_dies_with_its_owner(OWNER_SCRIPT, "sleep")
 
 
 PAUSED_FAKE_AGENT_OWNER_SCRIPT = """
@@ -93,20 +98,7 @@ signal.pause()
 
 def test_a_fake_agent_sets_its_own_death_signal_and_dies_with_its_owner_even_paused() -> None:
     """The fake engine starts its agent without code between fork and exec (spawn(die_with_parent=False))."""
-    owner = subprocess.Popen([sys.executable, "-c", PAUSED_FAKE_AGENT_OWNER_SCRIPT], stdout=subprocess.PIPE, text=True)
-    agent_pid = None
-    try:
-        agent_pid = int(owner.stdout.readline())  # type: ignore[union-attr]
-        assert is_running(agent_pid)
-        owner.send_signal(signal.SIGKILL)
-        owner.wait(timeout=10)
-        assert wait_until_dead(agent_pid, seconds=10), f"agent {agent_pid} survived its owner's SIGKILL"
-    finally:
-        owner.kill()
-        owner.wait()
-        owner.stdout.close()  # type: ignore[union-attr]
-        if agent_pid is not None and is_running(agent_pid):
-            os.kill(agent_pid, signal.SIGKILL)
+    assert_dies_with_its_owner(PAUSED_FAKE_AGENT_OWNER_SCRIPT, "agent")
 
 
 def test_a_start_that_hangs_is_given_up_on_in_bounded_time_and_the_next_start_works(monkeypatch) -> None:
