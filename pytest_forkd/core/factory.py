@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from pytest_forkd import private
 from pytest_forkd.core import defaults, validate
+from pytest_forkd.core.cores import IdleCores
 from pytest_forkd.core.pool import (
     ChildPool,
     fork_memory_problem,
@@ -521,8 +522,9 @@ class VMFactory:
         With ``maximum`` above ``size`` the pool grows with the measured demand
         (see :mod:`pytest_forkd.core.pool`); ``demand`` returns how many more
         children the caller may still take (None: unknown), so a pool never
-        restores children nobody will use. Refills run on background threads,
-        several at once; ready children wait paused.
+        restores children nobody will use; with it known, a core left idle
+        (the running test sleeps or waits) restores children ahead. Refills
+        run on background threads, several at once; ready children wait paused.
         """
         plan = self._plan(snapshot, None)
         key = (plan.snapshot.path, plan.snapshot.created)
@@ -559,6 +561,7 @@ class VMFactory:
             demand=demand or (lambda: None),
             resize=resize,
             room=memory_room,
+            idle=IdleCores(),
         )
         with self._lock:
             self._pools[key] = pool

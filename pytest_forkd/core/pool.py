@@ -10,6 +10,11 @@ before the test asks for it, so the pool:
   so the cores really work in parallel), leaving one core to the running test
   unless a test is already waiting for a child, in which case every core
   refills;
+- restores on that core too, and ahead of the measured need, while it sits
+  idle (the test sleeps or waits on its guest; :class:`~pytest_forkd.core.cores.IdleCores` reads
+  that from ``/proc/stat``): a child restored on a core that would have idled
+  is one the rest of the run does not wait for (bounded by the tests still
+  to come, by memory and by :data:`IDLE_BANK_PER_CORE`);
 - sizes itself by Little's law from the measured interval between takes and
   the measured refill time (:class:`PoolSizer`): children ready = refill time
   / take interval, plus one; when tests consume children faster than the
@@ -29,13 +34,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
+from pytest_forkd.core.cores import usable_cores
 from pytest_forkd.engine import cgroup
 
 if TYPE_CHECKING:
@@ -55,6 +60,14 @@ MAX_FAILURES = 3
 RESERVE_MIB = 256
 #: Seconds a pool that found no room for another child waits before it asks again.
 ROOM_RECHECK_S = 1.0
+#: Idle cores (see :class:`~pytest_forkd.core.cores.IdleCores`) at which a pool also restores on the test's core.
+IDLE_CORE_SHARE = 0.75
+#: Children a pool banks ahead on idle cores, per core (each parked child holds ~40 MiB; prefill is not bounded so).
+IDLE_BANK_PER_CORE = 8
+#: Seconds a refill thread sleeps before it looks again at the wanted size and the idle cores.
+REFILL_POLL_S = 0.25
+#: The same while an idle-core probe is set: an idle core is worth noticing within a short test's sleep.
+IDLE_POLL_S = 0.05
 
 Child = TypeVar("Child")
 
@@ -118,10 +131,10 @@ def memory_bound(
     return max(1, min(limit, int(available_mib * share // child_mib)))
 
 
-def cpu_workers(cpus: int | None, *, waiting: bool) -> int:
-    """Restores that may run at once: all cores while a test waits for a child, else all but one."""
+def cpu_workers(cpus: int | None, *, waiting: bool, idle_core: bool = False) -> int:
+    """Restores that may run at once: all cores while a test waits for a child or a core idles, else all but one."""
     cores = max(1, cpus or 1)
-    return cores if waiting else max(1, cores - 1)
+    return cores if waiting or idle_core else max(1, cores - 1)
 
 
 @dataclass
@@ -217,6 +230,11 @@ class ChildPool(Generic[Child]):
     child (:func:`memory_room`, which knows the cgroup's limit); while it says
     no, the pool keeps fewer children ready instead of pushing the host or
     container into thrashing or OOM kills, and a prefill ends with what fits.
+    ``idle`` returns the cores that sat idle lately (:class:`~pytest_forkd.core.cores.IdleCores`;
+    None: unknown); while at least :data:`IDLE_CORE_SHARE` of one idles and
+    ``demand`` is known, the pool restores on every core and ahead of the
+    measured need, up to ``demand``, ``maximum`` and
+    :data:`IDLE_BANK_PER_CORE` children a core.
     """
 
     def __init__(
@@ -233,6 +251,7 @@ class ChildPool(Generic[Child]):
         demand: Callable[[], int | None] = lambda: None,
         resize: Callable[[Child], int | None] | None = None,
         room: Callable[[], bool] | None = None,
+        idle: Callable[[], float | None] | None = None,
         cpus: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
@@ -240,7 +259,7 @@ class ChildPool(Generic[Child]):
         self.size = size
         self.name = name
         self.sizer = PoolSizer(size, max(size, maximum if maximum is not None else size), clock=clock)
-        self.cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        self.cpus = cpus if cpus is not None else usable_cores()
         self._launch = launch
         self._park = park
         self._unpark = unpark
@@ -249,6 +268,7 @@ class ChildPool(Generic[Child]):
         self._demand = demand
         self._resize = resize
         self._room = room
+        self._idle = idle
         self._room_checked = -math.inf
         self.memory_capped = False
         """True while ``room`` says memory holds no more children: the pool keeps fewer ready than it wants."""
@@ -398,25 +418,39 @@ class ChildPool(Generic[Child]):
     def _all_cores(self) -> bool:
         return self._waiting > 0 or self._prefilling
 
+    def _core_idles_locked(self, demand: int | None) -> bool:
+        """Whether a core sits idle now and the run still has tests to restore children for."""
+        if self._idle is None or demand is None or demand <= 0:
+            return False
+        idle = self._idle()
+        return idle is not None and idle >= IDLE_CORE_SHARE
+
     def _target_locked(self) -> int:
-        workers = cpu_workers(self.cpus, waiting=self._all_cores())
+        return self._sizing_locked()[0]
+
+    def _sizing_locked(self) -> tuple[int, int]:
+        """(children wanted ready, restores that may run at once)."""
         demand = self._demand()
+        idle_core = self._core_idles_locked(demand)
+        workers = cpu_workers(self.cpus, waiting=self._all_cores(), idle_core=idle_core)
         target = self.sizer.target(workers=workers, demand=demand)
         if self._ahead:
             target = max(target, self.sizer.maximum if demand is None else min(demand, self.sizer.maximum))
+        elif idle_core and demand is not None:
+            target = max(target, min(demand, self.sizer.maximum, IDLE_BANK_PER_CORE * max(1, self.cpus)))
         if self._waiting:  # a test is waiting now: at least one child for it
             target = max(target, min(self.sizer.maximum, self._waiting))
-        return target
+        return target, workers
 
     def _wants_restore_locked(self) -> bool:
         if self._closed or self.failures >= MAX_FAILURES:
             return False
-        workers = cpu_workers(self.cpus, waiting=self._all_cores())
+        target, workers = self._sizing_locked()
         if self._in_flight >= workers:
             return False
         if self._measuring and len(self._ready) + self._in_flight >= workers:
             return False
-        return len(self._ready) + self._in_flight < self._target_locked() and self._has_room_locked()
+        return len(self._ready) + self._in_flight < target and self._has_room_locked()
 
     def _has_room_locked(self) -> bool:
         """Whether memory holds another child; asked at most once per :data:`ROOM_RECHECK_S` after a no."""
@@ -445,7 +479,8 @@ class ChildPool(Generic[Child]):
                 while not self._wants_restore_locked():
                     if self._closed or self.failures >= MAX_FAILURES:
                         return
-                    self._cond.wait(timeout=0.25)  # the wanted size moves with time as well as with takes
+                    # The wanted size moves with time (and idle cores) as well as with takes.
+                    self._cond.wait(timeout=REFILL_POLL_S if self._idle is None else IDLE_POLL_S)
                 self._in_flight += 1
             started = self._clock()
             child: Child | None = None

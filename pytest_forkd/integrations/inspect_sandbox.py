@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import posixpath
 import secrets
 import shlex
@@ -54,6 +53,7 @@ from pydantic import BaseModel
 
 from pytest_forkd.aio.offload import offload, running_loop
 from pytest_forkd.aio.vm import AsyncVM
+from pytest_forkd.core.cores import usable_cores
 from pytest_forkd.core.pool import available_memory_mib, memory_bound
 from pytest_forkd.errors import AgentError, ExecTimeout, ForkdError, WrongEventLoop
 from pytest_forkd.guest.client import GuestOSError
@@ -232,11 +232,7 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
     @classmethod
     def default_concurrency(cls) -> int | None:
         """Samples at once by default: as many 128 MiB VMs as half the available memory holds, at most 4 a core."""
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        return max(1, min(memory_bound(SAMPLE_MIB, available_memory_mib()), SAMPLES_PER_CORE * cores))
+        return max(1, min(memory_bound(SAMPLE_MIB, available_memory_mib()), SAMPLES_PER_CORE * usable_cores()))
 
     @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:

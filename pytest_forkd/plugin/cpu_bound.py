@@ -11,7 +11,9 @@ The CPU counted is this process's own, that of its reaped descendants (QEMU
 processes, xdist workers and the VMs they reaped: the kernel adds a waited-for
 child's CPU, with its own reaped children's, to its parent), and that of its
 children still alive at the end, read from /proc. The wall time is the age of
-this process, the same span the CPU was counted over.
+this process, the same span the CPU was counted over. Both are read when the
+session finishes, once its VMs are closed: the run's own work, not what other
+plugins do afterwards for their terminal summaries.
 """
 
 from __future__ import annotations
@@ -87,19 +89,14 @@ def _process_age_s() -> float | None:
     return max(0.0, uptime - int(fields[19]) / _clock_ticks())
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def measure() -> CpuBound | None:
     """The run so far (see the module's docstring); None where /proc cannot tell (not Linux)."""
+    from pytest_forkd.core.cores import usable_cores  # the plugin loads no core module before it is used
+
     wall = _process_age_s()
     if wall is None:
         return None
     own = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + _live_children_cpu_s(os.getpid())
-    return CpuBound(cpu_s=cpu, cores=_cores(), wall_s=wall)
+    return CpuBound(cpu_s=cpu, cores=usable_cores(), wall_s=wall)

@@ -279,12 +279,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
             f"fixture_overhead_ms per test (forkd_vm setup + teardown): p50 {summary.p50:.1f}, "
             f"p95 {summary.p95:.1f}, max {summary.max:.1f} (n={summary.n})"
         )
-    if samples:  # the run started VMs: was the host's CPU the limit, or idle cores? (see cpu_bound)
-        from pytest_forkd.plugin import cpu_bound
-
-        bound = cpu_bound.measure()
-        if bound is not None:
-            write(bound.line())
+    if state.cpu_bound is not None:  # the run started VMs: was the host's CPU the limit, or idle cores?
+        write(state.cpu_bound.line())
     for kept in state.kept:
         write(f"kept failed VM of {kept.test} as snapshot {kept.tag!r}: forkd shell {kept.tag} --store {kept.store}")
     if state.comparison is not None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pytest_forkd.latency.budgets import Budget, Violation
     from pytest_forkd.latency.compare import Comparison, Threshold
     from pytest_forkd.latency.timings import Recorder
+    from pytest_forkd.plugin.cpu_bound import CpuBound
     from pytest_forkd.plugin.options import Resolved
     from pytest_forkd.project.config import Project
     from pytest_forkd.project.session import ForkdSession
@@ -78,6 +79,8 @@ class RunState:
     """Collected tests that use ``forkd_vm`` (a bound on the children the pool restores ahead of them)."""
     worker_died: bool = False
     """An xdist worker crashed: its QEMUs died with it (PDEATHSIG), its run directory is removed at the end."""
+    cpu_bound: CpuBound | None = None
+    """The run's CPU against its wall time, measured when the session finished and its VMs were closed."""
     previous_default_runtime: Callable[[], Runtime] | None = None
     """What pytest_forkd.boot()'s factories used before this run gave them its runtime (put back at its end)."""
     _resolved: Resolved | None = None

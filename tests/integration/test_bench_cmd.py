@@ -65,6 +65,7 @@ def test_bench_prints_every_figure_as_json(tmp_path: Path) -> None:
     assert printed["overhead_p95_over_pooled_fork_p50"] > 0 and printed["overhead_p50_over_pooled_fork_p50"] > 0
     assert printed["fork3_parallel_speedup"] > 0 and printed["fork3_serial_s"] > 0
     assert printed["fork3_speedup_over_closed_serial"] > 0 and printed["fork3_serial_closed_s"] > 0
+    assert printed["prefill3_s"] > 0 and printed["fork3_warm_s"] > 0 and printed["prefill3_over_fork_warm"] > 0
     phases = printed["restore_phases_ms"]
     assert {"qemu_start_ms", "device_state_ms", "first_reply_ms", "warm_ms"} <= set(phases)
     assert_figure(phases["first_reply_ms"], 2)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
+
+pytestmark = pytest.mark.vm
 
 SUITE = """
 import pytest
@@ -34,3 +37,24 @@ def test_the_summary_reports_the_runs_cpu_bound(pytester, run_forkd, workers: li
     low, high = (wall - 0.05) / (bound + 0.05), (wall + 0.05) / max(bound - 0.05, 0.01)
     assert low - 0.01 <= float(match["ratio"]) <= high + 0.01
     assert wall >= bound * 0.9  # a run cannot be faster than its CPU spread over every core (rounding aside)
+
+
+def test_the_bound_covers_the_run_not_other_plugins_summaries(pytester, run_forkd) -> None:
+    # Another plugin that spends seconds in its terminal summary (hypothesis imports itself there) is not the run.
+    pytester.makeconftest(
+        """
+import time
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_terminal_summary():
+    time.sleep(3)
+"""
+    )
+    pytester.makepyfile(test_suite=SUITE)
+    started = time.monotonic()
+    result = run_forkd()
+    elapsed = time.monotonic() - started
+    result.assert_outcomes(passed=4)
+    (match,) = [m for m in map(LINE.search, result.stdout.lines) if m]
+    assert float(match["wall"]) <= elapsed - 2.5

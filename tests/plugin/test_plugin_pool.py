@@ -18,6 +18,7 @@ def test_vm(forkd_vm, n):
 """
 
 
+@pytest.mark.vm
 def test_prefill_readies_a_child_for_every_test_before_the_first(pytester, run_forkd, tmp_path: Path) -> None:
     pytester.makepyfile(test_suite=SUITE)
     timings = tmp_path / "timings.json"
@@ -40,6 +41,7 @@ def test_pool_prefill_is_a_setting(pytester, run_forkd) -> None:
     result.stderr.fnmatch_lines(["*settings.pool_prefill: expected true or false*"])
 
 
+@pytest.mark.vm
 def test_bench_reads_the_overhead_of_each_group_from_a_real_run(
     run_forkd, shared_store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

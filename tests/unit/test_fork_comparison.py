@@ -59,6 +59,38 @@ def test_the_serial_loop_ends_like_fork_n_with_every_child_ready_and_the_closed_
     )
 
 
+def test_prefill_is_timed_against_fork_n_with_a_first_command_in_each(
+    factory: VMFactory, base: Snapshot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    commands: list[list[str]] = []
+    calls: list[int] = []
+    fork_snapshot = factory.fork_snapshot
+
+    def counting_fork(snapshot: Snapshot, n: int = 1, **options: Any) -> list[Any]:
+        calls.append(n)
+        children = fork_snapshot(snapshot, n, **options)
+        for child in children:
+            exec_ = child.agent.exec
+
+            def recording_exec(argv: list[str], *args: Any, _exec: Any = exec_, **kwargs: Any) -> Any:
+                commands.append(argv)
+                return _exec(argv, *args, **kwargs)
+
+            monkeypatch.setattr(child.agent, "exec", recording_exec)
+        return children
+
+    monkeypatch.setattr(factory, "fork_snapshot", counting_fork)
+
+    result = bench.measure_prefill(factory, base, N, lambda message: None, rounds=ROUNDS)
+
+    assert calls == [N] * ROUNDS  # one fork(N) a round; the pool's restores do not go through fork_snapshot
+    assert commands == [["true"]] * (N * ROUNDS)  # and a first command in each of its children
+    assert factory.vms == []  # every child of both closed, the pool dropped
+    assert result[f"prefill{N}_s"] > 0 and result[f"fork{N}_warm_s"] > 0
+    assert result[f"prefill{N}_over_fork_warm"] == ratio_of_reported(result[f"prefill{N}_s"], result[f"fork{N}_warm_s"])
+
+
 def ratio_of_reported(top_s: float, bottom_s: float) -> Any:
     """``top_s / bottom_s`` as closely as the report's rounding allows: times to 1 ms, ratios to 0.01."""
     ratio = top_s / bottom_s

@@ -9,6 +9,7 @@ import pytest
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from pytest_forkd.core.pool import (
+    IDLE_BANK_PER_CORE,
     MAX_FAILURES,
     MAX_POOL,
     ChildPool,
@@ -321,3 +322,64 @@ def test_a_process_memory_is_read_from_proc() -> None:
     used = child_memory_mib(os.getpid())
     assert used is not None and used > 1
     assert child_memory_mib(2**22 + 12345) is None  # no such process
+
+
+# -- restoring on an idle core ----------------------------------------------------------------------------------
+def test_an_idle_core_restores_too_and_banks_for_the_tests_to_come() -> None:
+    restores = FakeRestores(gated=True)
+    pool = make_pool(restores, 1, maximum=8, cpus=2, demand=lambda: 5, idle=lambda: 1.0)
+    try:
+        eventually(lambda: restores.most_at_once == 2)  # the test's core idles: both cores restore
+        assert pool.target == 5  # ahead of the measured need, up to the tests still to come
+        restores.gate.set()
+        eventually(lambda: len(pool) == 5)
+        assert restores.count == 5  # never more than the run can take
+    finally:
+        restores.gate.set()
+        pool.close()
+
+
+def test_a_busy_core_is_left_to_the_running_test() -> None:
+    restores = FakeRestores(gated=True)
+    idle_asked = threading.Event()
+
+    def busy() -> float:
+        idle_asked.set()
+        return 0.2
+
+    pool = make_pool(restores, 1, maximum=8, cpus=2, demand=lambda: 5, idle=busy)
+    try:
+        eventually(lambda: pool.in_flight == 1)
+        eventually(idle_asked.is_set)
+        assert pool.target == 1  # the minimum: no measured need yet, and no idle core to bank on
+        assert pool.in_flight == 1 and restores.most_at_once == 1
+    finally:
+        restores.gate.set()
+        pool.close()
+
+
+def test_an_idle_core_banks_nothing_when_the_demand_is_unknown() -> None:
+    restores = FakeRestores(gated=True)
+    pool = make_pool(restores, 1, maximum=8, cpus=2, idle=lambda: 2.0)
+    try:
+        eventually(lambda: pool.in_flight == 1)
+        assert pool.target == 1  # nobody said how many children the caller will take
+    finally:
+        restores.gate.set()
+        pool.close()
+
+
+def test_an_idle_core_lets_every_core_restore() -> None:
+    assert cpu_workers(2, waiting=False, idle_core=True) == 2
+    assert cpu_workers(4, waiting=False, idle_core=False) == 3
+
+
+def test_banking_on_idle_cores_stops_at_its_bound_per_core() -> None:
+    restores = FakeRestores()
+    pool = make_pool(restores, 1, maximum=100, cpus=1, demand=lambda: 50, idle=lambda: 1.0)
+    try:
+        eventually(lambda: len(pool) == IDLE_BANK_PER_CORE)
+        assert pool.target == IDLE_BANK_PER_CORE  # not the 50 tests to come, nor the memory bound of 100
+    finally:
+        pool.close()
+    assert restores.count == IDLE_BANK_PER_CORE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from pytest_forkd.core.factory import VMFactory
@@ -91,6 +92,49 @@ def measure_parallel_fork(
         f"fork{n}_parallel_speedup": round(serial_s / parallel_s, 2),
         f"fork{n}_speedup_over_closed_serial": round(closed_s / parallel_s, 2),
         f"fork{n}_host_load_1min": round(os.getloadavg()[0], 2),
+    }
+
+
+def measure_prefill(
+    factory: VMFactory, base: Any, n: int, progress: Callable[[str], None], rounds: int = 3
+) -> dict[str, Any]:
+    """A pool's prefill of ``n`` children against ``fork(n)`` and a first ``true`` in each; medians of ``rounds``.
+
+    Both end with ``n`` children that ran one guest command (what a pool
+    does before it parks a child, so that a test's first command is not its
+    first-ever one). The prefill restores on every core and parks each
+    child paused once warm; ``fork(n)`` resumes all of its children at once
+    and the commands then run on parallel threads. ``prefill{n}_over_fork_warm``
+    below 1 means prefill readies children at least at ``fork(n)`` throughput.
+    """
+    progress(f"prefill: {rounds} rounds of a pool prefill of {n} against fork({n}) and a first command in each")
+    prefills, forks = [], []
+    for _ in range(rounds):
+        time.sleep(SETTLE_S)
+        started = time.perf_counter()
+        children = factory.fork_snapshot(base, n)
+        try:
+            with ThreadPoolExecutor(max_workers=len(children)) as executor:
+                list(executor.map(lambda child: child.agent.exec(["true"]), children))
+            forks.append(time.perf_counter() - started)
+        finally:
+            for child in children:
+                child.close()
+        time.sleep(SETTLE_S)
+        started = time.perf_counter()
+        pool = factory.pool(base, 0, maximum=n, demand=lambda: n)
+        try:
+            ready = pool.prefill(timeout=max(120.0, 10.0 * n))
+            prefills.append(time.perf_counter() - started)
+        finally:
+            factory.drop_pool(base)
+        if ready != n:
+            raise RuntimeError(f"prefill: only {ready} of {n} children were made ready")
+    prefill_s, fork_s = (sorted(times)[len(times) // 2] for times in (prefills, forks))
+    return {
+        f"prefill{n}_s": round(prefill_s, 3),
+        f"fork{n}_warm_s": round(fork_s, 3),
+        f"prefill{n}_over_fork_warm": round(prefill_s / fork_s, 2),
     }
 
 

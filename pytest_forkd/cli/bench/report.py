@@ -211,6 +211,13 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{result[f'fork{n}_serial_s']} s, **{result[fork_n]}x** the throughput "
             f"({result[f'fork{n}_parallel_per_s']} children/s).",
         ]
+        if f"prefill{n}_s" in result:
+            lines += [
+                "",
+                f"A pool's prefill of {n} children: {result[f'prefill{n}_s']} s against "
+                f"{result[f'fork{n}_warm_s']} s for fork({n}) and a first command in each "
+                f"(**{result[f'prefill{n}_over_fork_warm']}x**).",
+            ]
     lines += _cpu_section(result)
     lines += ["", "## Branch pauses", "", "| figure | p50 (p95) | n |", "|---|---|---|"]
     for size, fig in sorted(result.get("uffd_pause_figures", {}).items(), key=lambda item: int(item[0])):

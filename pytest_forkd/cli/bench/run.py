@@ -14,7 +14,7 @@ from .branches import measure_branches
 from .changes import measure_changes
 from .common import PARTS, BenchPlan, _conditions, _ms, _wait_for, figure
 from .cpu import measure_child_cpu
-from .forks import measure_parallel_fork, measure_plugin_overhead, restore_breakdown
+from .forks import measure_parallel_fork, measure_plugin_overhead, measure_prefill, restore_breakdown
 from .guest_io import (
     COPY_TREE_MIB,
     OUTPUT_MIB,
@@ -127,8 +127,12 @@ def _run(factory: VMFactory, plan: BenchPlan, progress: Callable[[str], None]) -
         child.close()
         overhead.append(setup_ms + _ms(started))
     factory.drop_pool(base)
+    rounds = max(3, plan.repeats)
     parallel = (
-        measure_parallel_fork(factory, base, plan.parallel_n, progress, rounds=max(3, plan.repeats))
+        {
+            **measure_parallel_fork(factory, base, plan.parallel_n, progress, rounds=rounds),
+            **measure_prefill(factory, base, plan.parallel_n, progress, rounds=rounds),
+        }
         if plan.parallel_n > 1
         else {}
     )

@@ -1,0 +1,103 @@
+"""The host cores this process may use, and how many of them sat idle lately.
+
+Under TCG a child VM costs CPU, so a pool that restores children ahead of
+the tests is limited by cores, not by waiting. It normally leaves one core to
+the running test; but a test that sleeps, waits on a network reply or on its
+guest leaves that core idle, and a run whose cores idle takes longer than
+the CPU it needs. :class:`IdleCores` tells the pool when a core is idle, so
+it can restore on it meanwhile (see :mod:`pytest_forkd.core.pool`).
+
+Idle time comes from ``/proc/stat`` for the CPUs in this process's affinity
+mask (a container's cpuset); a CPU quota (``cpu.max``) is not seen there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["IdleCores", "usable_cores"]
+
+#: Shortest span over which idle time is measured (``/proc/stat`` counts in 10 ms ticks).
+DEFAULT_WINDOW_S = 0.05
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on: its affinity mask (a container's cpuset), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _affinity() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def read_cpu_ticks(stat: Path, cpus: set[int] | None) -> tuple[int, int] | None:
+    """(all ticks, idle ticks) summed over ``cpus`` (None: the whole host), or None where none could be read.
+
+    Idle counts ``idle`` and ``iowait``; stolen time counts as busy, since a
+    hypervisor that takes the core away leaves nothing to restore on.
+    """
+    total = idle = matched = 0
+    try:
+        with open(stat, encoding="ascii") as lines:
+            for line in lines:
+                if not line.startswith("cpu"):
+                    break
+                name, *fields = line.split()
+                if (name == "cpu") != (cpus is None):
+                    continue
+                if cpus is not None and int(name[3:]) not in cpus:
+                    continue
+                ticks = [int(value) for value in fields[:8]]  # guest time is already in user and nice
+                total += sum(ticks)
+                idle += ticks[3] + ticks[4]
+                matched += 1
+    except (OSError, ValueError, IndexError):
+        return None
+    return (total, idle) if matched else None
+
+
+class IdleCores:
+    """Callable: how many cores sat idle over the last measured span (None until two readings exist).
+
+    Each call reads ``/proc/stat`` at most once per ``window`` seconds and
+    otherwise returns the last figure, so the pool's refill threads may ask as
+    often as they wake. The clock and the file are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: float = DEFAULT_WINDOW_S,
+        stat: Path = Path("/proc/stat"),
+        cpus: set[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._window = window
+        self._stat = stat
+        self._cpus = cpus if cpus is not None else _affinity()
+        self._cores = len(self._cpus) if self._cpus else usable_cores()
+        self._clock = clock
+        self._last: tuple[float, int, int] | None = None
+        self._idle: float | None = None
+
+    def __call__(self) -> float | None:
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self._window:
+            return self._idle
+        reading = read_cpu_ticks(self._stat, self._cpus)
+        if reading is None:
+            return self._idle
+        total, idle = reading
+        if self._last is not None and total > self._last[1]:
+            self._idle = self._cores * (idle - self._last[2]) / (total - self._last[1])
+        self._last = (now, total, idle)
+        return self._idle
