@@ -207,6 +207,30 @@ def _check_memory_limit() -> Check:
     return Check("memory", True, detail, required=False)
 
 
+def _check_cores() -> Check:
+    """The cores this process may use: its CPUs (affinity), within its cgroup's CPU quota (a container's --cpus).
+
+    The pool's parallel restores, fork(n)'s threads and the summary's CPU
+    bound count these cores; a quota below the CPUs is the binding one.
+    """
+    import os
+
+    from pytest_forkd.core.cores import usable_cores
+    from pytest_forkd.engine import cgroup
+
+    quota = cgroup.cpu_quota()
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    where = (
+        f"cgroup v{quota.version} {quota.cgroup}: CPU quota {quota.cores:g} cores"
+        if quota is not None
+        else "no cgroup CPU quota"
+    )
+    return Check("cores", True, f"{usable_cores(quota)} usable ({cpus} CPUs; {where})", required=False)
+
+
 def _backend_checks() -> list[Check]:
     try:
         from pytest_forkd.core.runtime import Runtime
@@ -235,6 +259,7 @@ def collect(accel: str) -> list[Check]:
     )
     checks.append(_check_runtime_space())
     checks.append(_check_memory_limit())
+    checks.append(_check_cores())
     checks.append(_check_runtime_dir())
     checks.extend(_backend_checks())
     return checks

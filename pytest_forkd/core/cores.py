@@ -8,15 +8,23 @@ the CPU it needs. :class:`IdleCores` tells the pool when a core is idle, so
 it can restore on it meanwhile (see :mod:`pytest_forkd.core.pool`).
 
 Idle time comes from ``/proc/stat`` for the CPUs in this process's affinity
-mask (a container's cpuset); a CPU quota (``cpu.max``) is not seen there.
+mask (a container's cpuset). Under a CPU quota (a container's ``--cpus``,
+see :func:`pytest_forkd.engine.cgroup.cpu_quota`) the cores are the
+quota's, and a core is idle only if the cgroup also used less than its
+quota over the span: CPUs idle on the host do not help a job that has used
+up its share.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
 from typing import Callable
+
+from pytest_forkd.engine import cgroup
+from pytest_forkd.engine.cgroup import CpuQuota
 
 __all__ = ["IdleCores", "usable_cores"]
 
@@ -24,12 +32,18 @@ __all__ = ["IdleCores", "usable_cores"]
 DEFAULT_WINDOW_S = 0.05
 
 
-def usable_cores() -> int:
-    """CPUs this process may run on: its affinity mask (a container's cpuset), else all of them."""
+def usable_cores(quota: CpuQuota | None = None) -> int:
+    """Cores this process may use: the CPUs of its affinity mask (a container's cpuset), at most its CPU quota.
+
+    ``quota`` defaults to the binding quota of this process's cgroups; a
+    quota of 1.5 cores counts as 2.
+    """
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = quota if quota is not None else cgroup.cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota.cores - 1e-9)))
 
 
 def _affinity() -> set[int] | None:
@@ -79,14 +93,18 @@ class IdleCores:
         window: float = DEFAULT_WINDOW_S,
         stat: Path = Path("/proc/stat"),
         cpus: set[int] | None = None,
+        quota: CpuQuota | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._window = window
         self._stat = stat
         self._cpus = cpus if cpus is not None else _affinity()
         self._cores = len(self._cpus) if self._cpus else usable_cores()
+        found = quota if quota is not None else (cgroup.cpu_quota() if cpus is None else None)
+        self._quota = found if found is not None and found.cores < self._cores else None
+        """The cgroup's CPU quota, where it allows fewer cores than the CPUs (it then bounds the idle figure)."""
         self._clock = clock
-        self._last: tuple[float, int, int] | None = None
+        self._last: tuple[float, int, int, float | None] | None = None
         self._idle: float | None = None
 
     def __call__(self) -> float | None:
@@ -97,7 +115,12 @@ class IdleCores:
         if reading is None:
             return self._idle
         total, idle = reading
+        used = self._quota.usage_s() if self._quota is not None else None
         if self._last is not None and total > self._last[1]:
-            self._idle = self._cores * (idle - self._last[2]) / (total - self._last[1])
-        self._last = (now, total, idle)
+            figure = self._cores * (idle - self._last[2]) / (total - self._last[1])
+            previous_used = self._last[3]
+            if self._quota is not None and used is not None and previous_used is not None and now > self._last[0]:
+                figure = min(figure, self._quota.cores - (used - previous_used) / (now - self._last[0]))
+            self._idle = max(0.0, figure)
+        self._last = (now, total, idle, used)
         return self._idle

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from pytest_forkd import private
 from pytest_forkd.core import defaults, validate
-from pytest_forkd.core.cores import IdleCores
+from pytest_forkd.core.cores import IdleCores, usable_cores
 from pytest_forkd.core.pool import (
     ChildPool,
     fork_memory_problem,
@@ -64,8 +64,9 @@ POOL_WAIT_S = 30.0
 #: Restores one fork(n) runs at once: each is a QEMU process, one per core plus one that keeps
 #: the cores busy while another waits on a socket. Under TCG a restore is CPU-bound; four per
 #: core cost 7% more CPU per child than two in back-to-back runs of fork(20) (more TCG buffers
-#: and page faults in flight at once), for no more throughput.
-FORK_THREADS = max(2, (os.cpu_count() or 1) + 1)
+#: and page faults in flight at once), for no more throughput. The cores are those this process
+#: may use: its affinity mask, within its cgroup's CPU quota (see pytest_forkd.core.cores).
+FORK_THREADS = max(2, usable_cores() + 1)
 
 
 @dataclass

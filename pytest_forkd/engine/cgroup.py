@@ -1,4 +1,4 @@
-"""The memory limit of the cgroup this process runs in: what a container or a CI job really has.
+"""The memory limit and CPU quota of the cgroup this process runs in: what a container or a CI job really has.
 
 /proc/meminfo describes the host. A process in a memory cgroup (a Docker
 ``--memory`` limit, a Kubernetes pod, a systemd slice, a CI runner) may use
@@ -14,10 +14,16 @@ cgroup v2: ``memory.max`` and ``memory.current`` in the unified hierarchy
 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes`` under the memory
 controller's mount. Reclaimable page cache (``inactive_file``) is not
 counted as used, as the kernel gives it back before it fails an allocation.
+
+A CPU quota (Docker ``--cpus``, a Kubernetes CPU limit) caps the CPU time
+per period however many CPUs the process may run on: ``cpu.max`` in v2,
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` in v1. The cores a run counts
+on (pool restores, its CPU bound) are then the quota's, not the CPUs'.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,36 +101,45 @@ def _directories(mount: str, relative: str) -> list[Path]:
     return chain
 
 
-def _limits(proc: Path) -> list[MemoryLimit]:
+def _cgroup_directories(proc: Path, controller: str) -> Iterator[tuple[int, str, Path]]:
+    """(version, mount, directory) of this process's cgroup and its ancestors, innermost first.
+
+    cgroup v2: the unified hierarchy's, whatever the controller; v1: those of
+    the hierarchy ``controller`` is mounted in.
+    """
     try:
         lines = (proc / "self/cgroup").read_text().splitlines()
     except OSError:
-        return []
+        return
     mounts = _mounts(proc)
-    found = []
     for line in lines:
         number, _, rest = line.partition(":")
         controllers, _, relative = rest.partition(":")
         if number == "0" and controllers == "":
-            for mount, kind, _ in mounts:
-                if kind == "cgroup2":
-                    for directory in _directories(mount, relative):
-                        limit = _read_int(directory / "memory.max")
-                        if limit is not None:
-                            used = (_read_int(directory / "memory.current") or 0) - _stat(
-                                directory / "memory.stat", "inactive_file"
-                            )
-                            found.append(MemoryLimit(directory, 2, limit, max(0, used)))
-        elif "memory" in controllers.split(","):
-            for mount, kind, options in mounts:
-                if kind == "cgroup" and "memory" in options.split(","):
-                    for directory in _directories(mount, relative):
-                        limit = _read_int(directory / "memory.limit_in_bytes")
-                        if limit is not None:
-                            used = (_read_int(directory / "memory.usage_in_bytes") or 0) - _stat(
-                                directory / "memory.stat", "total_inactive_file"
-                            )
-                            found.append(MemoryLimit(directory, 1, limit, max(0, used)))
+            wanted = [(2, mount) for mount, kind, _ in mounts if kind == "cgroup2"]
+        elif controller in controllers.split(","):
+            wanted = [
+                (1, mount) for mount, kind, options in mounts if kind == "cgroup" and controller in options.split(",")
+            ]
+        else:
+            continue
+        for version, mount in wanted:
+            for directory in _directories(mount, relative):
+                yield version, mount, directory
+
+
+def _limits(proc: Path) -> list[MemoryLimit]:
+    found = []
+    for version, _, directory in _cgroup_directories(proc, "memory"):
+        if version == 2:
+            limit = _read_int(directory / "memory.max")
+            current, inactive = directory / "memory.current", "inactive_file"
+        else:
+            limit = _read_int(directory / "memory.limit_in_bytes")
+            current, inactive = directory / "memory.usage_in_bytes", "total_inactive_file"
+        if limit is not None:
+            used = (_read_int(current) or 0) - _stat(directory / "memory.stat", inactive)
+            found.append(MemoryLimit(directory, version, limit, max(0, used)))
     return found
 
 
@@ -132,3 +147,76 @@ def memory_limit(proc: Path = Path("/proc")) -> MemoryLimit | None:
     """The binding memory limit of this process's cgroups (the one with the least room), or None without one."""
     limits = _limits(proc)
     return min(limits, key=lambda limit: limit.free_mib) if limits else None
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """The tightest CPU quota over this process's cgroup and its ancestors (``cpu.max``, v1 CFS quota)."""
+
+    cgroup: Path
+    """The directory of the cgroup whose quota binds."""
+    version: int
+    cores: float
+    """Quota over period: how many cores' worth of CPU time the cgroup may use per period."""
+    usage: Path | None
+    """The file with that cgroup's CPU usage so far (v2 ``cpu.stat``, v1 ``cpuacct.usage``), if found."""
+
+    def usage_s(self) -> float | None:
+        """CPU seconds the cgroup has used so far (None where its usage cannot be read)."""
+        if self.usage is None:
+            return None
+        if self.version == 2:
+            micros = _stat(self.usage, "usage_usec")
+            return micros / 1e6 if micros else None
+        nanos = _read_int(self.usage)
+        return None if nanos is None else nanos / 1e9
+
+
+def _v2_quota(directory: Path) -> float | None:
+    try:
+        quota, _, period = (directory / "cpu.max").read_text().strip().partition(" ")
+        return None if quota == "max" else int(quota) / int(period or "100000")
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(directory: Path) -> float | None:
+    quota, period = _read_int(directory / "cpu.cfs_quota_us"), _read_int(directory / "cpu.cfs_period_us")
+    if quota is None or quota <= 0 or not period:
+        return None  # -1: no quota
+    return quota / period
+
+
+def _v1_usage(directory: Path, mount: str, mounts: list[tuple[str, str, str]]) -> Path | None:
+    """``cpuacct.usage`` of the v1 cgroup at ``directory`` (under ``mount``): beside it, or under cpuacct's mount."""
+    beside = directory / "cpuacct.usage"
+    if beside.exists():
+        return beside
+    relative = directory.relative_to(mount)
+    for other, kind, options in mounts:
+        if kind == "cgroup" and "cpuacct" in options.split(","):
+            candidate = Path(other) / relative / "cpuacct.usage"
+            if candidate.exists():
+                return candidate
+    return None
+
+
+def _quotas(proc: Path) -> list[CpuQuota]:
+    found = []
+    mounts = _mounts(proc)
+    for version, mount, directory in _cgroup_directories(proc, "cpu"):
+        if version == 2:
+            cores = _v2_quota(directory)
+            usage: Path | None = directory / "cpu.stat"
+        else:
+            cores = _v1_quota(directory)
+            usage = _v1_usage(directory, mount, mounts) if cores is not None else None
+        if cores is not None:
+            found.append(CpuQuota(directory, version, cores, usage))
+    return found
+
+
+def cpu_quota(proc: Path = Path("/proc")) -> CpuQuota | None:
+    """The binding CPU quota of this process's cgroups (the one with the fewest cores), or None without one."""
+    quotas = _quotas(proc)
+    return min(quotas, key=lambda quota: quota.cores) if quotas else None

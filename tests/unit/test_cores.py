@@ -1,4 +1,4 @@
-"""Cores this process may use and how many sat idle, read from a /proc/stat the test writes (no VM)."""
+"""Cores this process may use and how many sat idle (within a CPU quota too), from files the test writes (no VM)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pytest_forkd.core.cores import IdleCores, read_cpu_ticks, usable_cores
+from pytest_forkd.engine.cgroup import CpuQuota
 
 
 def stat_text(cpus: list[tuple[int, int]]) -> str:
@@ -84,3 +85,23 @@ def test_the_real_host_gives_a_figure_within_its_cores() -> None:
     figure = idle()
     assert figure is None or 0.0 <= figure <= usable_cores()
     assert usable_cores() >= 1
+
+
+def test_idle_cpus_do_not_count_once_the_quota_is_used_up(tmp_path: Path) -> None:
+    stat, usage = tmp_path / "stat", tmp_path / "cpu.stat"
+    quota = CpuQuota(tmp_path, 2, 1.0, usage)
+    clock = Clock()
+    stat.write_text("cpu0 0 0 0 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0 0 0\n")
+    usage.write_text("usage_usec 1000000\n")
+    idle = IdleCores(stat=stat, cpus={0, 1}, quota=quota, clock=clock, window=0.1)
+    idle()
+    # Over 1 s, the host's two CPUs were half idle (1 core) but the cgroup used its whole 1-core quota.
+    stat.write_text("cpu0 50 0 0 50 0 0 0 0 0 0\ncpu1 50 0 0 50 0 0 0 0 0 0\n")
+    usage.write_text("usage_usec 2000000\n")
+    clock.now += 1.0
+    assert idle() == pytest.approx(0.0)
+    # The next second it used a quarter of its quota: 0.75 of a core is idle within it.
+    stat.write_text("cpu0 100 0 0 100 0 0 0 0 0 0\ncpu1 100 0 0 100 0 0 0 0 0 0\n")
+    usage.write_text("usage_usec 2250000\n")
+    clock.now += 1.0
+    assert idle() == pytest.approx(0.75)

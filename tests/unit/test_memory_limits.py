@@ -12,20 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from cgroupfs import fake_proc
 
 from pytest_forkd.core import pool as pools
 from pytest_forkd.core.pool import ChildPool
 from pytest_forkd.engine import cgroup
 
 MIB = 1 << 20
-
-
-def fake_proc(tmp_path: Path, cgroup_lines: list[str], mounts: list[str]) -> Path:
-    proc = tmp_path / "proc"
-    (proc / "self").mkdir(parents=True)
-    (proc / "self/cgroup").write_text("\n".join(cgroup_lines) + "\n")
-    (proc / "self/mounts").write_text("\n".join(mounts) + "\n")
-    return proc
 
 
 def write(directory: Path, **files: str) -> None:
