@@ -265,6 +265,9 @@ class VMFactory:
         net = network_spec(network)
         if isinstance(image, str):
             validate.validate_tag(image, "image name")
+            problem = self.engine.unavailable_reason()
+            if problem is not None:  # say so now, not after minutes spent building an image it cannot boot
+                raise HostNotReady(problem)
             with private.private_umask():  # a first use builds the image: its files are created 0600
                 image = self.engine.image(image, progress=self.progress)
         spec = self.machine_spec(image, memory_mib=memory_mib, vcpus=vcpus, network_card=net.has_card)

@@ -159,6 +159,39 @@ def test_attach_again_moves_the_stream_and_the_old_handle_is_told(vm: HostVM) ->
         GuestProcess(vm, ["x"], pty=False, max_output=1)._attach(999999)  # type: ignore[arg-type]
 
 
+def test_an_attach_sent_as_soon_as_the_pid_is_known_is_not_overtaken_by_the_spawn(
+    vm: HostVM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spawn names its process in a first frame, then attaches its request to the output.
+
+    A host may attach another request the moment it reads that frame; the
+    spawn's own attachment must be in place by then, or it lands last and
+    takes the stream back from the newer request (seen under load).
+    """
+    from pytest_forkd.guest.agent import server
+
+    send_frame = server.Agent._send_frame
+    delayed: list[int] = []
+
+    def late_after_the_first_pid_frame(agent: Any, fields: dict[str, Any], payload: Any) -> None:
+        send_frame(agent, fields, payload)
+        if "pid" in fields and not delayed:  # the spawn's thread is slow to go on after naming the process
+            delayed.append(fields["id"])
+            time.sleep(0.5)
+
+    monkeypatch.setattr(server.Agent, "_send_frame", late_after_the_first_pid_frame)
+    proc = vm.spawn(["cat"])
+    second = GuestProcess(vm, ["cat"], pty=False, max_output=1 << 20)  # type: ignore[arg-type]
+    second._attach(proc.pid)
+    second.write_stdin(b"to the new reader\n")
+    assert second.stdout.readline(timeout=10) == b"to the new reader\n"
+    assert delayed  # the slow spawn really was slow
+    with pytest.raises(ProcessError, match="another request attached"):
+        proc.stdout.readline(timeout=10)
+    second.close_stdin()
+    assert second.wait(timeout=10) == 0
+
+
 def test_a_new_host_client_drops_the_old_attachment_silently(channel: tuple[socket.socket, socket.socket]) -> None:
     """A VM restored from a snapshot hears from a new client: frames for the old one's requests must stop."""
     sock = channel[0]

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from pytest_forkd.errors import (
     BackendError,
     ConfigError,
     ExecTimeout,
+    HostNotReady,
     IncompatibleSnapshot,
     InvalidArgument,
     NetworkError,
@@ -68,6 +70,26 @@ def test_the_default_engine_is_qemu() -> None:
     factory = VMFactory(accel="tcg")
     try:
         assert factory.engine.name == "qemu"
+    finally:
+        factory.close()
+
+
+def test_a_missing_vmm_is_named_before_any_image_is_built() -> None:
+    built: list[str] = []
+
+    class NoVmm(FakeEngine):
+        def unavailable_reason(self) -> str | None:
+            return "qemu-system-x86_64 was not found; install it (Debian/Ubuntu package qemu-system-x86)"
+
+        def image(self, name: str, *, progress: Any = None) -> Any:
+            built.append(name)
+            return super().image(name, progress=progress)
+
+    factory = VMFactory(engine=NoVmm())
+    try:
+        with pytest.raises(HostNotReady, match="package qemu-system-x86"):
+            factory.boot()
+        assert built == []  # a first boot would build the image for minutes, then fail on the missing VMM
     finally:
         factory.close()
 
