@@ -213,22 +213,16 @@ def _check_cores() -> Check:
     The pool's parallel restores, fork(n)'s threads and the summary's CPU
     bound count these cores; a quota below the CPUs is the binding one.
     """
-    import os
-
-    from pytest_forkd.core.cores import usable_cores
+    from pytest_forkd.core.cores import affinity_cpus, usable_cores
     from pytest_forkd.engine import cgroup
 
     quota = cgroup.cpu_quota()
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
     where = (
         f"cgroup v{quota.version} {quota.cgroup}: CPU quota {quota.cores:g} cores"
         if quota is not None
         else "no cgroup CPU quota"
     )
-    return Check("cores", True, f"{usable_cores(quota)} usable ({cpus} CPUs; {where})", required=False)
+    return Check("cores", True, f"{usable_cores(quota)} usable ({affinity_cpus()} CPUs; {where})", required=False)
 
 
 def _backend_checks() -> list[Check]:

@@ -26,10 +26,22 @@ from typing import Callable
 from pytest_forkd.engine import cgroup
 from pytest_forkd.engine.cgroup import CpuQuota
 
-__all__ = ["IdleCores", "usable_cores"]
+__all__ = ["IdleCores", "affinity_cpus", "usable_cores"]
 
 #: Shortest span over which idle time is measured (``/proc/stat`` counts in 10 ms ticks).
 DEFAULT_WINDOW_S = 0.05
+
+
+def _affinity() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def affinity_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (a container's cpuset), else all of them; no quota."""
+    return len(_affinity() or ()) or os.cpu_count() or 1
 
 
 def usable_cores(quota: CpuQuota | None = None) -> int:
@@ -38,19 +50,9 @@ def usable_cores(quota: CpuQuota | None = None) -> int:
     ``quota`` defaults to the binding quota of this process's cgroups; a
     quota of 1.5 cores counts as 2.
     """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+    cpus = affinity_cpus()
     quota = quota if quota is not None else cgroup.cpu_quota()
     return cpus if quota is None else max(1, min(cpus, math.ceil(quota.cores - 1e-9)))
-
-
-def _affinity() -> set[int] | None:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
 
 
 def read_cpu_ticks(stat: Path, cpus: set[int] | None) -> tuple[int, int] | None:
@@ -99,7 +101,7 @@ class IdleCores:
         self._window = window
         self._stat = stat
         self._cpus = cpus if cpus is not None else _affinity()
-        self._cores = len(self._cpus) if self._cpus else usable_cores()
+        self._cores = len(self._cpus) if self._cpus else affinity_cpus()
         found = quota if quota is not None else (cgroup.cpu_quota() if cpus is None else None)
         self._quota = found if found is not None and found.cores < self._cores else None
         """The cgroup's CPU quota, where it allows fewer cores than the CPUs (it then bounds the idle figure)."""
