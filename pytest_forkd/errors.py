@@ -6,13 +6,82 @@ and every message says what was wrong and how to fix it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
 
 class ForkdError(Exception):
     """Base class of every error raised by pytest-forkd."""
 
 
 class ConfigError(ForkdError):
-    """A recipe, forkd.yaml or option is malformed; the message names the field path."""
+    """A recipe, forkd.yaml or option is malformed; the message names the field path.
+
+    A file or a set of options with several mistakes raises one ConfigError
+    listing them all, one line each (see :class:`ConfigProblems`).
+    """
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """``"did you mean 'snapshots'? "`` for the valid name closest to a misspelt ``word``, else ``""``.
+
+    Put before the list of valid names: ``f"unknown key; {did_you_mean(key, keys)}valid keys: ..."``.
+    """
+    import difflib  # only when a mistake is reported
+
+    if not isinstance(word, str):
+        return ""
+    valid = list(choices)
+    lowered = {choice.lower(): choice for choice in valid}
+    matches = difflib.get_close_matches(word.lower(), list(lowered), n=1)
+    return f"did you mean {lowered[matches[0]]!r}? " if matches else ""
+
+
+class ConfigProblems:
+    """The mistakes of one file (or set of options), gathered so that one run reports every one of them.
+
+    Each check runs in :meth:`collect` (or :meth:`attempt`), which records the
+    ConfigError it raises and carries on; :meth:`raise_all` then raises one
+    ConfigError whose message lists them all, one line each, in the order
+    found (a single mistake is raised as it was, keeping its type).
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._errors: list[ConfigError] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def add(self, line: str) -> None:
+        """Record a mistake described in one line (naming the file and field path)."""
+        self.lines.append(line)
+        self._errors.append(ConfigError(line))
+
+    @contextmanager
+    def collect(self) -> Iterator[None]:
+        """Record the ConfigError the block raises, and go on after the block."""
+        try:
+            yield
+        except ConfigError as exc:
+            self.lines.extend(str(exc).splitlines() or [type(exc).__name__])
+            self._errors.append(exc)
+
+    def attempt(self, check: Callable[[], _T], fallback: _T) -> _T:
+        """``check()``, or ``fallback`` when it raises a ConfigError (recorded)."""
+        with self.collect():
+            return check()
+        return fallback
+
+    def raise_all(self) -> None:
+        """Raise the mistakes recorded, if any: the one as it was, or one ConfigError listing them all."""
+        if len(self._errors) == 1:
+            raise self._errors[0]
+        if self.lines:
+            raise ConfigError("\n".join(self.lines))
 
 
 class IncomparableRuns(ConfigError):
@@ -51,6 +120,46 @@ class ImageError(ForkdError):
 
 class UnknownImage(ImageError):
     """No image of that name has been built."""
+
+
+class ImageNotPulled(UnknownImage):
+    """A container image is not in the local store and the pull policy (``never``) forbids fetching it."""
+
+
+class ImageNotFound(ImageError):
+    """A registry has no such repository or tag, or a local image file or layout does not exist."""
+
+
+class RegistryAuthRequired(ImageError):
+    """A registry wants credentials that were not found or were refused; the message says how to log in."""
+
+
+class RegistryUnreachable(ImageError):
+    """A registry did not answer (name lookup, connection, TLS); the message names it."""
+
+
+class NoMatchingPlatform(ImageError):
+    """An image has no linux/amd64 variant; ``platforms`` lists the ones it offers."""
+
+    def __init__(self, message: str, *, platforms: list[str] | None = None) -> None:
+        self.platforms = list(platforms or [])
+        super().__init__(message)
+
+
+class DigestMismatch(ImageError):
+    """A blob's content does not match its digest (a tampered or corrupted layer); the message names the digest."""
+
+
+class ImageStoreFull(ImageError):
+    """The disk filled up while an image was pulled, built or unpacked; the message names the folder."""
+
+
+class ImageBuildError(ImageError):
+    """A Dockerfile failed to build (the message ends with the builder's last lines), or no builder is installed."""
+
+
+class ImageToolMissing(ImageError, HostNotReady):
+    """A program container images need (skopeo, a builder) is not installed; the message names the package."""
 
 
 class VMError(ForkdError):

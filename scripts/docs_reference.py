@@ -153,7 +153,7 @@ def options_page() -> str:
         "",
         "Generated from the plugin's option registration (`pytest_forkd.plugin.options`) and the settings "
         "table (`pytest_forkd.project.settings.OPTIONS`) when the docs are built. `pytest --help` lists the same "
-        "options in its `pytest-forkd` group.",
+        "options in three `pytest-forkd` groups: VMs and snapshots; timings, budgets and baselines; reports.",
         "",
         "## Settings",
         "",
@@ -250,8 +250,11 @@ def _commands(parser: argparse.ArgumentParser, prefix: str) -> Iterator[tuple[st
     yield prefix, parser
     for action in parser._actions:  # argparse keeps sub-commands only here
         if isinstance(action, argparse._SubParsersAction):
+            seen: set[int] = set()
             for name, sub in action.choices.items():
-                yield from _commands(sub, f"{prefix} {name}")
+                if id(sub) not in seen:  # an alias (`list` for `ls`) is the same parser under another name
+                    seen.add(id(sub))
+                    yield from _commands(sub, f"{prefix} {name}")
 
 
 def cli_commands() -> list[tuple[str, str]]:

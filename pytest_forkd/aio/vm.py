@@ -256,6 +256,7 @@ class AsyncVM(_AsyncContext):
         max_output: int | None = None,
         timing: str = "harness",
         pty: bool | tuple[int, int] = False,
+        user: str | None = None,
     ) -> ExecResult:
         """``VM.exec``, awaited. Cancelling the awaiting task kills the command in the guest."""
         what = f"running {command!r}"
@@ -270,6 +271,7 @@ class AsyncVM(_AsyncContext):
             max_output=max_output,
             timing=timing,
             pty=pty,
+            user=user,
         )
         return await self._cancellable(what, "exec", call)
 
@@ -287,6 +289,7 @@ class AsyncVM(_AsyncContext):
         cwd: str | None = None,
         pty: bool | tuple[int, int] = False,
         max_output: int | None = None,
+        user: str | None = None,
     ) -> AsyncGuestProcess:
         """``VM.spawn``, awaited: start a process and return its handle once it runs.
 
@@ -299,7 +302,7 @@ class AsyncVM(_AsyncContext):
         process = await self._offload(
             f"spawning {command!r}",
             "spawn",
-            functools.partial(self._vm.spawn, command, env=env, cwd=cwd, pty=pty, max_output=max_output),
+            functools.partial(self._vm.spawn, command, env=env, cwd=cwd, pty=pty, max_output=max_output, user=user),
             discard=_kill_process,
         )
         return AsyncGuestProcess(process, self)

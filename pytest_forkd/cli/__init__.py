@@ -3,9 +3,12 @@
 Each sub-command lives in its own module of this package
 and exposes ``add_parser(subparsers)`` and ``run(args) -> int``; this module
 only wires them together and is the error boundary: every exception becomes
-a one-line error and exit status 2 (the traceback with ``--debug``), so no
-user ever sees a traceback for bad input. Sub-command modules are imported
-only when their command runs.
+a one-line error (the traceback with ``--debug``) and an exit status as
+pytest's: 4 for bad input, 1 for a failure, 2 for a bug, so no user ever
+sees a traceback for bad input. Sub-command modules are imported
+only when their command runs. A command with actions (``forkd snapshots``,
+``forkd image``) lists when no action is named and takes ``list`` for ``ls``
+(:class:`CommandParser`).
 
 Layer 7 of docs/ARCHITECTURE.md, beside plugin. May import: every layer
 below it. Nothing imports it (the ``forkd`` script's entry point is
@@ -20,16 +23,80 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Sequence
+from typing import Any, NoReturn, Sequence
 
-from pytest_forkd.errors import ForkdError
+from pytest_forkd.errors import ConfigError, ForkdError
 from pytest_forkd.version import __version__
 
 COMMAND_MODULES = ("image", "exec", "shell", "cp", "doctor", "snapshots", "bench", "compare", "merge", "bisect")
 
+#: The action a command with actions (``forkd snapshots``, ``forkd image``) runs when none is named.
+DEFAULT_ACTION = "ls"
+#: Other names every command with actions accepts for an action of its own.
+ACTION_ALIASES: dict[str, tuple[str, ...]] = {"ls": ("list",)}
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``forkd`` and of each of its commands (argparse makes sub-parsers of the parent's class).
+
+    A command with actions takes :data:`DEFAULT_ACTION` when none is named, so
+    ``forkd snapshots`` and ``forkd snapshots --all`` list as ``forkd snapshots ls``
+    does, and every action gets its :data:`ACTION_ALIASES`. Both are applied to
+    whatever actions a command's module adds, so a new action needs nothing more.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Actions)
+
+    def error(self, message: str) -> NoReturn:
+        """A command line argparse cannot read is a usage error: exit status 4, as pytest's."""
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if args is not None:
+            args = self._with_default_action(list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _with_default_action(self, words: list[str]) -> list[str]:
+        """``words`` with the default action put first when they name no action (and ask for no help)."""
+        actions = next((action for action in self._actions if isinstance(action, _Actions)), None)
+        if actions is None or DEFAULT_ACTION not in actions.choices:
+            return words
+        if not words or (words[0].startswith("-") and words[0] not in ("-h", "--help")):
+            return [DEFAULT_ACTION, *words]
+        return words
+
+
+class _Actions(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """A command's actions: each is added with its aliases, and an alias runs as its action's own name."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        aliases = [*kwargs.pop("aliases", ()), *ACTION_ALIASES.get(name, ())]
+        if name == DEFAULT_ACTION and kwargs.get("help"):
+            kwargs["help"] = f"{kwargs['help']} (the default)"
+        return super().add_parser(name, aliases=aliases, **kwargs)  # type: ignore[no-any-return]
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        names = {alias: name for name, aliases in ACTION_ALIASES.items() for alias in aliases}
+        chosen = self._name_parser_map.get(values[0]) if values else None
+        name = names.get(values[0]) if values else None
+        if chosen is not None and name is not None and self._name_parser_map.get(name) is chosen:
+            values = [name, *values[1:]]  # `forkd snapshots list` runs as `ls`: the command reads its own name
+        super().__call__(parser, namespace, values, option_string)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="forkd", description="Real microVMs as cheap as fork(): images, VMs, snapshots, benchmarks."
     )
     parser.add_argument(
@@ -82,8 +149,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the boundary: nothing leaves as a traceback
         if debug:
             traceback.print_exc()
-        print(f"forkd: error: {error_line(exc, debug=debug)}", file=sys.stderr)
-        return 2
+        for line in error_line(exc, debug=debug).splitlines():
+            print(f"forkd: error: {line}", file=sys.stderr)
+        return exit_status(exc)
+
+
+#: Exit statuses, as pytest's: bad input (a usage error) is 4, a failure 1, a bug of forkd's own 2.
+EXIT_FAILURE = 1
+EXIT_INTERNAL_ERROR = 2
+EXIT_USAGE_ERROR = 4
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a command that raised ``exc``: 4 for bad input, 1 for a failure, 2 for a bug."""
+    if isinstance(exc, ConfigError):
+        return EXIT_USAGE_ERROR
+    if isinstance(exc, (ForkdError, OSError)):
+        return EXIT_FAILURE
+    return EXIT_INTERNAL_ERROR
 
 
 def _one_line_warning(
@@ -94,10 +177,14 @@ def _one_line_warning(
 
 
 def error_line(exc: BaseException, *, debug: bool = False) -> str:
-    """One line describing ``exc`` for the terminal, ending with what to do about it."""
+    """One line describing ``exc`` for the terminal, ending with what to do about it.
+
+    A ConfigError listing several mistakes (a forkd.yaml with more than one) is
+    one line per mistake, each shown: ``main`` prints every line as an error.
+    """
     if isinstance(exc, ForkdError):
         text = str(exc).strip() or type(exc).__name__
-        if debug:
+        if debug or isinstance(exc, ConfigError):
             return text
         first, _, rest = text.partition("\n")
         if rest:

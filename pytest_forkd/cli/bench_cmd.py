@@ -45,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "copy_reference_mib_s and a branch pause/total per (backend, memory, dirty MiB); "
         "uffd_pause_ms and uffd_growth_ratio, diff_pause_* over successive branches, "
         "child_pss_mib and parent_pss_mib, guest_python_slowdown, cpu_per_child_ms (QEMU CPU per phase "
-        "of 12 serial fork(1)), tcg_translation and first_command_tax (select with --parts). "
+        "of 12 serial fork(1)), tcg_translation and first_command_tax, image_* (children of container "
+        "images) (select with --parts). "
         "Each figure is {n, min, p50, p95, max}.",
     )
     p.add_argument(
@@ -102,7 +103,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="what to measure (default: all): core (boots, forks, execs, branch table), uffd (live "
         "branch pause at the smallest and largest --memory), diff (pause over --diff-branches "
         "successive branches), memory (PSS of idle children and a parent), speed (guest Python "
-        "loop vs host), cpu (QEMU CPU per child by phase, TCG translation, first-command tax)",
+        "loop vs host), cpu (QEMU CPU per child by phase, TCG translation, first-command tax), images "
+        "(children of a tiny and a large container image, a busybox image's child against the default's)",
+    )
+    p.add_argument(
+        "--image-mib",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="size of the large container image of the images part (default: %(default)s)",
     )
     p.add_argument(
         "--diff-branches",
@@ -235,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
             prefill=args.prefill,
             parts=args.parts,
             diff_branches=args.diff_branches,
+            image_mib=args.image_mib,
         )
         result = run_bench(plan, progress=_progress)
         json_path = args.json

@@ -13,6 +13,8 @@ from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.errors import ExecTimeout
 from pytest_forkd.guest.exec_result import ExecResult
+from pytest_forkd.image import ensure_container_image
+from pytest_forkd.image.oci.reference import is_reference
 from pytest_forkd.project.lifecycle import find_snapshot
 from pytest_forkd.storage.store import SnapshotStore
 
@@ -24,7 +26,23 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Boot a microVM from an image (or fork a child of a snapshot), run CMD in it, copy its "
         "stdout/stderr to ours and exit with its exit code. Example: forkd exec -- python3 -c 'print(42)'",
     )
-    p.add_argument("--image", default="default", help="guest image name (default: %(default)s)")
+    p.add_argument(
+        "--image",
+        default="default",
+        metavar="NAME|REF",
+        help="guest image name, or a container image: docker://REF, oci:DIR[:TAG], oci-archive:FILE[:TAG], "
+        "docker-archive:FILE, dockerfile:PATH (default: %(default)s)",
+    )
+    p.add_argument(
+        "--pull",
+        choices=("missing", "always", "never"),
+        default="missing",
+        help="when a container image is pulled: missing (a reference pulled before is used offline), always, "
+        "never (default: %(default)s)",
+    )
+    p.add_argument(
+        "--user", metavar="USER[:GROUP]", default=None, help="run CMD as this user (default: the image's User)"
+    )
     p.add_argument("--snapshot", metavar="TAG", help="run in a child of this snapshot instead of a fresh boot")
     p.add_argument("--store", metavar="DIR", help="snapshot store (default: the user cache)")
     p.add_argument("--memory", type=int, default=256, metavar="MIB", help="guest memory (default: %(default)s)")
@@ -84,10 +102,16 @@ def run(args: argparse.Namespace) -> int:
             store = SnapshotStore(args.store) if args.store else SnapshotStore.persistent()
             vm = factory.fork_snapshot(find_snapshot(store, args.snapshot), 1, network=cli_network(args.network))[0]
         else:
-            vm = factory.boot(args.image, memory_mib=args.memory, vcpus=args.vcpus, network=cli_network(args.network))
+            validate.user(args.user)
+            image: object = validate.image_name(args.image)
+            if is_reference(args.image):
+                image = ensure_container_image(
+                    args.image, policy=args.pull, progress=lambda line: print(f"forkd: {line}", file=sys.stderr)
+                )
+            vm = factory.boot(image, memory_mib=args.memory, vcpus=args.vcpus, network=cli_network(args.network))
         ready_ms = (time.perf_counter() - started) * 1000
         try:
-            result = vm.exec(command, timeout=args.timeout, max_output=args.max_output)
+            result = vm.exec(command, timeout=args.timeout, max_output=args.max_output, user=args.user)
         except ExecTimeout as exc:
             # VM.exec's timeout always carries the partial output (errors.py cannot name the type).
             result = cast(ExecResult, exc.result)

@@ -264,7 +264,7 @@ class VMFactory:
         validate.timeout(timeout, "timeout", optional=False)
         net = network_spec(network)
         if isinstance(image, str):
-            validate.validate_tag(image, "image name")
+            validate.image_name(image)
             problem = self.engine.unavailable_reason()
             if problem is not None:  # say so now, not after minutes spent building an image it cannot boot
                 raise HostNotReady(problem)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,35 @@ def count(value: object, what: str = "n") -> int:
     value = _whole(value, what, "pass how many VMs to start, e.g. 1")
     if value < 1:
         raise InvalidArgument(f"{what}={value}: need at least 1")
+    return value
+
+
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}(:[A-Za-z0-9_][A-Za-z0-9._-]{0,63})?")
+
+
+def image_name(value: Any) -> str:
+    """Check what names an image: a guest image name, or a container reference with its transport.
+
+    ``docker://…``, ``oci:…``, ``oci-archive:…``, ``docker-archive:…`` and
+    ``dockerfile:…`` are parsed (a malformed one fails here, before anything
+    starts); anything else must be a valid image name.
+    """
+    from pytest_forkd.image.oci.reference import is_reference, parse_reference
+
+    if isinstance(value, str) and is_reference(value):
+        parse_reference(value, bare=None)
+        return value
+    return validate_tag(value, "image name")
+
+
+def user(value: Any) -> str | None:
+    """Check a guest user: ``name``, ``uid``, ``name:group`` or ``uid:gid`` (None: the image's user)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _USER.fullmatch(value):
+        raise InvalidArgument(
+            f"user must be 'NAME', 'UID', 'NAME:GROUP' or 'UID:GID' (letters, digits, '.', '_', '-'), got {value!r}"
+        )
     return value
 
 

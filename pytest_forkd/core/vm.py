@@ -189,8 +189,13 @@ class VM:
         max_output: int | None = None,
         timing: str = timings.TIMING_HARNESS,
         pty: bool | tuple[int, int] = False,
+        user: str | None = None,
     ) -> ExecResult:
         """Run ``command`` in the guest: a str runs under ``/bin/sh -c``, a list is an argv.
+
+        ``user`` runs it as another user, as ``docker exec --user`` does: a
+        name from the guest's ``/etc/passwd``, a number, or either with
+        ``:GROUP``; None: the image's own ``User`` (root in forkd's image).
 
         ``timing="workload"`` records the command's latency under row
         ``exec[workload]`` instead of ``exec``: a test's own workload (running
@@ -214,6 +219,7 @@ class VM:
         validate.command(command)
         validate.timeout(timeout)
         validate.environment(env)
+        validate.user(user)
         timing_op = timings.tagged_op(timings.OP_EXEC, timing)
         if cwd is not None:
             validate.guest_path(cwd, "cwd")
@@ -234,6 +240,7 @@ class VM:
                 stdin=stdin,
                 max_output=self.max_output if max_output is None else max_output,
                 **({"pty": pty} if pty else {}),
+                **({"user": user} if user is not None else {}),
             )
         except ExecTimeout as exc:
             Transcript.finish(entry, started, result=exc.result, error=exc)
@@ -256,6 +263,7 @@ class VM:
         cwd: str | None = None,
         pty: bool | tuple[int, int] = False,
         max_output: int | None = None,
+        user: str | None = None,
     ) -> GuestProcess:
         """Start ``command`` in the guest and return at once with its :class:`~pytest_forkd.core.process.GuestProcess`.
 
@@ -264,7 +272,7 @@ class VM:
         :meth:`exec`. The process runs in its own session and cgroup, like an
         exec, until it ends or is killed; it keeps running across other calls
         and in every VM started from a snapshot of this one (see
-        :meth:`process`). Its stdout and stderr stream to the handle as lines;
+        :meth:`process`). ``user``: as for :meth:`exec`. Its stdout and stderr stream to the handle as lines;
         at most ``max_output`` bytes of each (default :attr:`max_output`) wait
         unread, on the host and in the guest together: past that the middle
         of what nobody read is dropped. ``pty``: run it on a terminal, as
@@ -275,6 +283,7 @@ class VM:
         """
         validate.command(command)
         validate.environment(env)
+        validate.user(user)
         if cwd is not None:
             validate.guest_path(cwd, "cwd")
         if max_output is not None:
@@ -282,7 +291,7 @@ class VM:
         limit = self.max_output if max_output is None else max_output
         env, cwd = self._with_defaults(env, cwd)
         window, guest_limit = output_bounds(limit)
-        request = spawn_request(command, env=env, cwd=cwd, max_output=guest_limit, pty=pty)
+        request = spawn_request(command, env=env, cwd=cwd, max_output=guest_limit, pty=pty, user=user)
         self.generation += 1
         entry = self.transcript.record(
             "spawn",

@@ -449,6 +449,7 @@ class AgentClient:
         stdin: bytes | str | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
         pty: bool | tuple[int, int] = False,
+        user: str | None = None,
     ) -> ExecResult:
         """Run a command in the guest and return its result, whatever its exit code.
 
@@ -462,7 +463,9 @@ class AgentClient:
         pseudo-terminal (True: 24x80, or ``(rows, columns)``); its stdout is
         what it wrote to the terminal and stdin is typed in.
         """
-        request = exec_request(command, timeout=timeout, env=env, cwd=cwd, max_output=max_output, pty=pty)
+        request = exec_request(
+            command, timeout=timeout, env=env, cwd=cwd, max_output=max_output, pty=pty, user=user
+        )
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         captures = {wire.STDOUT: OutputCapture(max_output), wire.STDERR: OutputCapture(max_output)}
 
@@ -804,8 +807,12 @@ def exec_request(
     cwd: str | None = None,
     max_output: int | None = DEFAULT_MAX_OUTPUT,
     pty: bool | tuple[int, int] = False,
+    user: str | None = None,
 ) -> dict[str, Any]:
-    """The fields of an exec request, checked; ``max_output`` None: the guest sends all output."""
+    """The fields of an exec request, checked; ``max_output`` None: the guest sends all output.
+
+    ``user``: who runs it (``name``, ``uid``, ``name:group``, ``uid:gid``); None: the image's user.
+    """
     request: dict[str, Any] = {"op": "exec", **_command_fields(command)}
     if pty:
         request["pty"] = terminal_size(pty)
@@ -819,6 +826,8 @@ def exec_request(
         request["env"] = dict(env)
     if cwd is not None:
         request["cwd"] = cwd
+    if user is not None:
+        request["user"] = user
     if max_output is not None:
         if isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 0:
             raise InvalidArgument(
@@ -835,9 +844,10 @@ def spawn_request(
     cwd: str | None = None,
     max_output: int = DEFAULT_MAX_OUTPUT,
     pty: bool | tuple[int, int] = False,
+    user: str | None = None,
 ) -> dict[str, Any]:
     """The fields of a spawn request, checked: an exec request without timeout, whose process outlives it."""
-    request = exec_request(command, env=env, cwd=cwd, max_output=max_output, pty=pty)
+    request = exec_request(command, env=env, cwd=cwd, max_output=max_output, pty=pty, user=user)
     request["op"] = "spawn"
     return request
 

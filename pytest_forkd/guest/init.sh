@@ -50,9 +50,59 @@ else
 fi
 
 # The build wrote the modules' load order, dependencies first.
-while read -r module; do
-    insmod "/lib/modules/forkd/$module.ko" || log "cannot load kernel module $module"
-done </etc/forkd/modules
+load_modules() {
+    while read -r module; do
+        insmod "/lib/modules/forkd/$module.ko" || log "cannot load kernel module $module"
+    done <"$1"
+}
+load_modules /etc/forkd/modules
+
+# A container image: the host attached its read-only disk (virtio-blk) and put
+# forkd.image on the command line. The image's root becomes an overlay (the disk
+# below, guest memory above, so snapshots stay memory-only), and the agent runs
+# inside it with its own runtime, this initramfs, bind-mounted at /.forkd.
+IMAGE_ROOT=
+case " $(cat /proc/cmdline) " in
+*" forkd.image "*)
+    [ -r /etc/forkd/modules.image ] && load_modules /etc/forkd/modules.image
+    attempts=0
+    until [ -b /dev/vda ]; do
+        attempts=$((attempts + 1))
+        if [ "$attempts" -ge 500 ]; then
+            log "the image disk /dev/vda did not appear (block devices: $(ls /sys/class/block 2>/dev/null))"
+            exit 1
+        fi
+        sleep 0.01
+    done
+    mkdir -p /mnt/image /mnt/rw /sysroot
+    # The writable layer gets the room the initramfs root would have had.
+    if mount -t ext4 -o ro,noload /dev/vda /mnt/image &&
+        mount -t tmpfs -o mode=0755,size=75% tmpfs /mnt/rw &&
+        mkdir -p /mnt/rw/upper /mnt/rw/work &&
+        mount -t overlay -o lowerdir=/mnt/image/rootfs,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work overlay /sysroot; then
+        IMAGE_ROOT=/sysroot
+    else
+        log "cannot mount the image disk /dev/vda as the root filesystem"
+        exit 1
+    fi
+    cp /mnt/image/forkd/image.json /etc/forkd/image.json
+    for dir in .forkd proc sys dev tmp run; do
+        # Only where the image has nothing of that name (a symlink there stays the image's).
+        [ -e "$IMAGE_ROOT/$dir" ] || [ -L "$IMAGE_ROOT/$dir" ] || mkdir -p "$IMAGE_ROOT/$dir"
+    done
+    chmod 1777 "$IMAGE_ROOT/tmp" 2>/dev/null
+    mount --bind / "$IMAGE_ROOT/.forkd" && mount -o remount,bind,ro "$IMAGE_ROOT/.forkd" ||
+        log "cannot mount forkd's runtime at /.forkd in the image"
+    mount -t proc proc "$IMAGE_ROOT/proc"
+    mount -t sysfs sysfs "$IMAGE_ROOT/sys"
+    mount -t devtmpfs devtmpfs "$IMAGE_ROOT/dev"
+    mkdir -p "$IMAGE_ROOT/dev/shm" "$IMAGE_ROOT/dev/pts"
+    mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$IMAGE_ROOT/dev/shm"
+    mount -t devpts -o gid=5,mode=620 devpts "$IMAGE_ROOT/dev/pts" 2>/dev/null
+    mount --bind /sys/fs/cgroup "$IMAGE_ROOT/sys/fs/cgroup" 2>/dev/null ||
+        log "cannot mount cgroup2 in the image: commands run without memory and process limits"
+    ;;
+esac
 
 # A network card exists only when the host started the VM with a network. It
 # sits on QEMU's user-mode network: a static address (children restored from
@@ -64,6 +114,7 @@ if [ -d /sys/class/net/eth0 ]; then
         ifconfig eth0 10.0.2.15 netmask 255.255.255.0 up && route add default gw 10.0.2.2
     fi || log "cannot configure the network card eth0"
     echo "nameserver 10.0.2.3" >/etc/resolv.conf
+    [ -n "$IMAGE_ROOT" ] && cp /etc/resolv.conf "$IMAGE_ROOT/etc/resolv.conf" 2>/dev/null
 fi
 
 # The host names its virtio-serial port "agent"; its device node is /dev/<port dir>.
@@ -103,9 +154,21 @@ cd /root || cd /
 # costs about 0.1 s. -I: the agent neither reads PYTHON* variables meant for
 # the user's commands nor imports from the working directory; -S: it needs
 # no site-packages, and importing site costs about as much again.
+# In a container image the agent runs chrooted in the image's root through the
+# runtime's own dynamic loader and libraries: the image needs no Python, no
+# libc, not even a shell. Python finds its library from its own path (/.forkd/usr).
+if [ -n "$IMAGE_ROOT" ]; then
+    export FORKD_RUNTIME=/.forkd
+    libs=/.forkd/usr/lib/x86_64-linux-gnu
+    agent_python="chroot $IMAGE_ROOT $libs/ld-linux-x86-64.so.2 --library-path $libs /.forkd/usr/bin/python3"
+    agent_dir=/.forkd/opt/forkd
+else
+    agent_python=/usr/bin/python3
+    agent_dir=/opt/forkd
+fi
 while :; do
     echo "forkd-agent: starting on $port"
-    /usr/bin/python3 -I -S -c 'import sys; sys.path.insert(0, "/opt/forkd"); import agent; sys.exit(agent.main())' "$port"
+    $agent_python -I -S -c "import sys; sys.path.insert(0, '$agent_dir'); import agent; sys.exit(agent.main())" "$port"
     echo "forkd-agent: exited with status $?; restarting in 0.1 s"
     sleep 0.1
 done

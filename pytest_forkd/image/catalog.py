@@ -54,6 +54,8 @@ class Image:
     fingerprint: str
     bzimage: Path | None = None
     """The compressed kernel when ``kernel`` is its PVH (uncompressed) form, else None."""
+    disk: Path | None = None
+    """A container image's root filesystem: a read-only disk the engine attaches (None: the initramfs is all)."""
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -76,6 +78,7 @@ def image_at(name: str, directory: Path) -> Image:
         env=MappingProxyType(dict(manifest["env"])),
         fingerprint=manifest["key"],
         bzimage=directory / BZIMAGE_FILE if (directory / BZIMAGE_FILE).is_file() else None,
+        disk=Path(manifest["container"]["disk"]) if manifest.get("container") else None,
     )
 
 

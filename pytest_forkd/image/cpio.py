@@ -148,3 +148,26 @@ def write_empty_archive(path: Path, size: int = 4096) -> None:
         if writer.bytes_written > size:
             raise ValueError(f"an empty archive needs {writer.bytes_written} bytes, more than {size}")
         stream.write(b"\0" * (size - writer.bytes_written))
+
+
+def read_member(path: Path, name: str) -> bytes:
+    """The contents of regular file ``name`` in the newc archive at ``path`` (one this module wrote).
+
+    For tools that reuse a file of a built image (``forkd bench`` takes the
+    guest's static busybox from it); raises KeyError when it is not there.
+    """
+    with path.open("rb") as stream:
+        while True:
+            header = stream.read(110)
+            if len(header) < 110 or header[:6] not in (b"070701", b"070702"):
+                raise KeyError(f"{name} is not in {path}")
+            fields = [int(header[6 + 8 * index : 14 + 8 * index], 16) for index in range(13)]
+            size, name_size = fields[6], fields[11]
+            entry = stream.read(name_size)[:-1].decode(errors="replace")
+            stream.read(len(_padding(110 + name_size)))
+            if entry == "TRAILER!!!":
+                raise KeyError(f"{name} is not in {path}")
+            data = stream.read(size)
+            stream.read(len(_padding(size)))
+            if entry == name:
+                return data

@@ -41,6 +41,9 @@ from .deb import data_tar
 GUEST_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console")
 #: Taken when the kernel has them: the network card of VMs started with a network (virtio_net needs the others).
 NETWORK_MODULES = ("failover", "net_failover", "virtio_net")
+#: Taken when the kernel has them: the read-only disk and overlay of a container image's root,
+#: loaded by /init only when the VM boots an image (the kernel command line says ``forkd.image``).
+IMAGE_MODULES = ("virtio_blk", "overlay")
 # Debian 12 ships modules under lib/modules as .ko; Debian 13 (merged /usr)
 # under usr/lib/modules as .ko.xz; other kernels use .ko.zst or .ko.gz.
 MODULE_PATH = re.compile(
@@ -367,7 +370,10 @@ PARTS_FILE = "parts.json"
 
 
 def cached_kernel(
-    deb: Path, cache: Path, wanted: tuple[str, ...] = GUEST_MODULES, optional: tuple[str, ...] = NETWORK_MODULES
+    deb: Path,
+    cache: Path,
+    wanted: tuple[str, ...] = GUEST_MODULES,
+    optional: tuple[str, ...] = NETWORK_MODULES + IMAGE_MODULES,
 ) -> KernelParts:
     """:func:`extract_kernel`, done once per kernel package and kept under ``cache``.
 

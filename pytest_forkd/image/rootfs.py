@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Mapping
 from ..errors import ImageError
 from ..guest import agent_files
 from .deb import unpack
-from .kernel import KernelParts
+from .kernel import IMAGE_MODULES, KernelParts
 from .recipe import FileSpec
 
 AGENT_DIR = "opt/forkd"
@@ -216,12 +216,19 @@ def link_python3(root: Path, version: str | None = None) -> Path:
 
 
 def install_modules(root: Path, kernel: KernelParts) -> None:
-    """Copy the modules and write their load order, one name per line, for /init."""
+    """Copy the modules and write their load order, one name per line, for /init.
+
+    The modules of a container image's disk go to a list of their own, which
+    /init loads only when the VM boots an image (after the others, which they
+    depend on): every other boot is spared them.
+    """
     names = []
     for module in kernel.modules:
         shutil.copyfile(module, root / MODULES_DIR / module.name)
         names.append(module.stem)
-    (root / CONFIG_DIR / "modules").write_text("".join(f"{name}\n" for name in names))
+    image_names = [name for name in names if name in IMAGE_MODULES]
+    (root / CONFIG_DIR / "modules").write_text("".join(f"{name}\n" for name in names if name not in image_names))
+    (root / CONFIG_DIR / "modules.image").write_text("".join(f"{name}\n" for name in image_names))
 
 
 def write_env_file(path: Path, env: Mapping[str, str]) -> None:

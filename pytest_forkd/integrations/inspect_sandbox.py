@@ -12,6 +12,13 @@ Lifecycle, as Inspect drives it:
   or restores the snapshot and starts the pool of children restored ahead of
   demand. A broken forkd.yaml or an unknown snapshot fails the eval here with
   forkd's one-line message.
+- A config that names a container image as Docker would (a ``compose.yaml``,
+  a ``Dockerfile``, Inspect's ``ComposeConfig``; see
+  :mod:`~pytest_forkd.integrations.compose`) gets one warm parent per image:
+  ``task_init`` pulls or builds the image and boots its snapshot once. A
+  compose file forkd cannot run, an image that cannot be pulled or a build
+  that fails is then the error of each sample of that config (forkd's one
+  line), and samples of other configs go on.
 - ``sample_init`` (per sample, several at once): hands the sample a
   copy-on-write child of the snapshot, from the pool; Inspect then writes the
   sample's ``files`` and runs its ``setup`` script through it.
@@ -31,11 +38,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import posixpath
 import secrets
 import shlex
 import threading
 from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, overload
 
@@ -55,29 +64,38 @@ from pytest_forkd.aio.offload import offload, running_loop
 from pytest_forkd.aio.vm import AsyncVM
 from pytest_forkd.core.cores import usable_cores
 from pytest_forkd.core.pool import available_memory_mib, memory_bound
-from pytest_forkd.errors import AgentError, ExecTimeout, ForkdError, WrongEventLoop
+from pytest_forkd.errors import AgentError, ExecTimeout, ForkdError, InvalidArgument, WrongEventLoop
 from pytest_forkd.guest.client import GuestOSError
+from pytest_forkd.guest.exec_result import ExecResult as GuestResult
+from pytest_forkd.integrations.image_sessions import ImageDefaults, ImageGuest, image_defaults, open_image_session
 from pytest_forkd.integrations.inspect_support import (
-    CONFIG_FILE,
+    CONFIG_FILES,
     DEFAULT_WORKDIR,
     ForkdSandboxConfig,
     ForkdSandboxError,
+    ImageSample,
     argv_script,
     argv_too_large,
-    as_user,
     config_path,
     decode_text,
     deserialize_config,
     exec_result,
+    file_error,
     guest_path,
+    guest_user,
+    image_sample,
+    is_image_config,
     is_root,
     launch_error,
+    metadata_environment,
     os_error,
     parse_config,
+    read_as_user,
     read_limit_error,
     startup_error,
     timeout_error,
     user_error,
+    write_as_user,
 )
 from pytest_forkd.integrations.shared_sessions import SESSIONS
 from pytest_forkd.project.session import ForkdSession
@@ -183,6 +201,100 @@ async def _session_for(config: SandboxEnvironmentConfigType | None) -> ForkdSess
     return await _acquire(config)
 
 
+# -- configs that name a container image (compose.yaml, Dockerfile, ComposeConfig) --------------------------------
+
+
+@dataclass
+class _ImageConfigState:
+    """What ``task_init`` of one image config left for its samples and its ``task_cleanup``."""
+
+    base: Path
+    """The task's directory, where the config's relative paths resolve (samples run elsewhere)."""
+    keys: list[Hashable] = field(default_factory=list)
+    """Sessions this config uses, one user each (released by ``task_cleanup``)."""
+    failures: dict[Hashable, ForkdError] = field(default_factory=dict)
+    """Images that could not be had: each sample of them fails with this, without trying again."""
+
+
+_image_configs: dict[Hashable, _ImageConfigState] = {}
+#: What each image session's image gives its commands (working directory, user), read once when it opens.
+_image_defaults: dict[Hashable, ImageDefaults] = {}
+
+
+def _image_state(config: SandboxEnvironmentConfigType | None) -> _ImageConfigState:
+    with _resolved_lock:
+        return _image_configs.setdefault(_config_identity(config), _ImageConfigState(base=Path.cwd()))
+
+
+def _open_image(key: Hashable, guest: ImageGuest) -> ForkdSession:
+    """Open an image's session: build or pull, boot its snapshot once, start its pool (blocking)."""
+    session = open_image_session(guest, progress=log.info)
+    try:
+        _warm(session)
+        _image_defaults[key] = image_defaults(session)
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+async def _image_session(
+    config: SandboxEnvironmentConfigType | None, environ: dict[str, str]
+) -> tuple[ForkdSession, ImageSample, ImageDefaults]:
+    """The session of the image a config names (interpolated with ``environ``), opened once for the config.
+
+    Raises forkd's one-line error when the config cannot be read, or when its
+    image could not be had (remembered: the next sample fails at once).
+    """
+    state = _image_state(config)
+    sample = await anyio.to_thread.run_sync(functools.partial(image_sample, config, base=state.base, environ=environ))
+    key: Hashable = ("image", sample.guest)
+    with _resolved_lock:
+        failure = state.failures.get(key)
+        held = key in state.keys
+    if failure is not None:
+        raise _again(failure)
+    session = SESSIONS.get(key) if held else None
+    if session is None:
+        try:
+            session = await anyio.to_thread.run_sync(
+                functools.partial(SESSIONS.acquire, key, lambda: _open_image(key, sample.guest))
+            )
+        except ForkdError as exc:
+            with _resolved_lock:
+                state.failures[key] = exc
+            raise
+        with _resolved_lock:
+            state.keys.append(key)
+    return session, sample, _image_defaults.get(key, ImageDefaults())
+
+
+def _again(exc: ForkdError) -> ForkdError:
+    """A fresh error like ``exc`` (same type and message) to raise in one more sample."""
+    try:
+        again = type(exc)(*exc.args)
+    except TypeError:
+        again = ForkdSandboxError(str(exc))
+    return again if str(again) == str(exc) else ForkdSandboxError(str(exc))
+
+
+async def _acquire_image(config: SandboxEnvironmentConfigType | None) -> None:
+    """``task_init`` of an image config: make its image's warm parent now; a failure is its samples' error."""
+    try:
+        await _image_session(config, dict(os.environ))
+    except ForkdError as exc:
+        log.warning(f"forkd sandbox: the samples of {config!r} will fail: {exc}")
+
+
+def _release_image(config: SandboxEnvironmentConfigType | None) -> None:
+    with _resolved_lock:
+        state = _image_configs.pop(_config_identity(config), None)
+    for key in state.keys if state is not None else ():
+        SESSIONS.release(key)
+        if SESSIONS.users(key) == 0:
+            _image_defaults.pop(key, None)
+
+
 @contextlib.contextmanager
 def lend_session(session: ForkdSession) -> Iterator[SandboxEnvironmentSpec]:
     """A sandbox spec whose samples fork from an open forkd session (the pytest plugin's), for ``Task(sandbox=...)``.
@@ -212,18 +324,23 @@ def lend_session(session: ForkdSession) -> Iterator[SandboxEnvironmentSpec]:
 class ForkdSandboxEnvironment(SandboxEnvironment):
     """One sample's forkd microVM: a copy-on-write child of the task's snapshot."""
 
-    def __init__(self, vm: AsyncVM, *, workdir: str | None = None) -> None:
+    def __init__(self, vm: AsyncVM, *, workdir: str | None = None, user: str | None = None) -> None:
         super().__init__()
         self.vm = vm
         """The sample's VM (``vm.sync`` is the :class:`~pytest_forkd.core.vm.VM`: checkpoints, branches, forks)."""
         self.workdir = workdir or vm.sync.cwd or DEFAULT_WORKDIR
-        """Where commands run and relative paths resolve: the snapshot's ``workdir``, else /root."""
+        """Where commands run and relative paths resolve: the snapshot's ``workdir``, else /root (in a container
+        image: the compose ``working_dir``, else the image's ``WorkingDir``)."""
+        self.user = user
+        """Who commands and file operations run as unless ``exec`` names a user: None is the guest's own (root in
+        forkd's image, the image's ``User`` in a container image)."""
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     @classmethod
     def config_files(cls) -> list[str]:
-        return [CONFIG_FILE]
+        """forkd.yaml, then Docker's files: with them Inspect treats forkd as docker-compatible."""
+        return list(CONFIG_FILES)
 
     @classmethod
     def config_deserialize(cls, config: dict[str, Any]) -> BaseModel:
@@ -242,21 +359,40 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
             raise ForkdSandboxError(
                 "forkd sandbox: needs Inspect's asyncio backend (the default); unset INSPECT_ASYNC_BACKEND=trio"
             ) from None
-        await _acquire(config)
+        if is_image_config(config):
+            await _acquire_image(config)
+        else:
+            await _acquire(config)
+
+    @classmethod
+    async def task_init_environment(
+        cls, config: SandboxEnvironmentConfigType | None, metadata: dict[str, str]
+    ) -> dict[str, str]:
+        """``SAMPLE_METADATA_*`` for the metadata a compose file interpolates: Inspect inits each distinct one."""
+        return metadata_environment(config, metadata, base=Path.cwd())
 
     @classmethod
     async def sample_init(
         cls, task_name: str, config: SandboxEnvironmentConfigType | None, metadata: dict[str, str]
     ) -> dict[str, SandboxEnvironment]:
         loop = running_loop("the forkd sandbox (set INSPECT_ASYNC_BACKEND=asyncio, Inspect's default)")
-        session = await _session_for(config)
+        workdir: str | None = None
+        user: str | None = None
+        if is_image_config(config):
+            base = _image_state(config).base
+            environ = {**os.environ, **metadata_environment(config, metadata, base=base)}
+            session, sample, defaults = await _image_session(config, environ)
+            workdir = sample.guest.workdir or defaults.working_dir
+            user = sample.user if sample.user is not None else defaults.user
+        else:
+            session = await _session_for(config)
 
         def fork() -> Any:
             return session.fork(1)[0]
 
         # A cancelled sample (Ctrl-C, a time limit) closes the VM once it is up instead of leaking it.
         vm = await offload(loop, fork, name="forkd-inspect-fork", discard=lambda started: started.close())
-        return {"default": cls(AsyncVM(vm, follow_loop=True))}
+        return {"default": cls(AsyncVM(vm, follow_loop=True), workdir=workdir, user=user)}
 
     @classmethod
     async def sample_cleanup(
@@ -273,7 +409,10 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None, cleanup: bool) -> None:
         # Even with --no-sandbox-cleanup: a VM cannot outlive the process that started it.
-        await anyio.to_thread.run_sync(functools.partial(_release, config))
+        if is_image_config(config):
+            await anyio.to_thread.run_sync(functools.partial(_release_image, config))
+        else:
+            await anyio.to_thread.run_sync(functools.partial(_release, config))
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
@@ -306,12 +445,13 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
     ) -> ExecResult[str]:
         """Run ``cmd`` (an argv, resolved on the guest's PATH) in the sample's VM.
 
-        ``user`` other than root runs through the guest's ``su`` (the user
-        must be in its /etc/passwd, else SandboxUserUnsupportedError). A
-        ``timeout`` kills the command with everything it started and raises
-        TimeoutError (no retry: the kill is in the guest, so a retry would
-        only run it again). A stream longer than Inspect's exec output limit
-        raises OutputLimitExceededError.
+        ``user`` runs it as that user, as ``docker exec --user`` does (a name
+        from the guest's /etc/passwd, a number, ``NAME:GROUP``); without one,
+        as the sample's user. An unknown user raises
+        SandboxUserUnsupportedError. A ``timeout`` kills the command with
+        everything it started and raises TimeoutError (no retry: the kill is
+        in the guest, so a retry would only run it again). A stream longer
+        than Inspect's exec output limit raises OutputLimitExceededError.
         """
         argv = list(cmd)
         if not argv:
@@ -322,30 +462,57 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
             run = ["/bin/sh", script]
         else:
             run = argv
-        if not is_root(user):
-            run = as_user(str(user), run)
+        runs_as = user if user is not None else self.user
         limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
         where = guest_path(cwd, self.workdir) if cwd is not None else self.workdir
         try:
             result = await self.vm.exec(
-                run, stdin=input, env=env, cwd=where, timeout=timeout, max_output=limit, timing="workload"
+                run,
+                stdin=input,
+                env=env,
+                cwd=where,
+                timeout=timeout,
+                max_output=limit,
+                timing="workload",
+                user=guest_user(runs_as),
             )
         except ExecTimeout as exc:
             raise timeout_error(timeout or 0, exc.result) from None
         except GuestOSError as exc:
             raise os_error(exc, exc.path or where) from None
-        if not is_root(user):
-            refused = user_error(str(user), result)
+        except (AgentError, InvalidArgument) as exc:
+            refused = user_error(str(runs_as), exc) if runs_as is not None else None
             if refused is not None:
-                raise refused
+                raise refused from None
+            raise
         denied = launch_error(argv, result)
         if denied is not None:
             raise denied
         return exec_result(result, limit)
 
+    async def _as_user(
+        self, argv: list[str], file: str, *, stdin: bytes | None = None, limit: int | None = None
+    ) -> GuestResult:
+        """Run a file operation's command as the sample's user: its permissions apply, as in Docker's sandbox."""
+        try:
+            return await self.vm.exec(argv, stdin=stdin, max_output=limit, user=guest_user(self.user))
+        except GuestOSError as exc:
+            raise os_error(exc, file) from None
+
     async def write_file(self, file: str, contents: str | bytes) -> None:
-        """Write ``file`` (relative to the working directory), making its directories; replaced atomically."""
+        """Write ``file`` (relative to the working directory), making its directories.
+
+        As root, the file is replaced atomically; as another user (the
+        image's or the compose file's), it is written in place as that user,
+        so its permissions apply and it is the user's, as in Docker's sandbox.
+        """
         path = guest_path(file, self.workdir)
+        if not is_root(self.user):
+            data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
+            written = await self._as_user(write_as_user(path), file, stdin=data)
+            if not written.ok:
+                raise file_error(written.stderr, file)
+            return
         try:
             await self.vm.write_file(path, contents)
             return
@@ -372,6 +539,13 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
         if posixpath.basename(file.rstrip("/")) in (".", ".."):
             raise IsADirectoryError(21, "Is a directory", file)
         limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
+        if not is_root(self.user):
+            read = await self._as_user(read_as_user(path), file, limit=limit)
+            if not read.ok:
+                raise file_error(read.stderr, file)
+            if read.truncated or len(read.stdout_bytes) > limit:
+                raise read_limit_error()
+            return decode_text(read.stdout_bytes) if text else read.stdout_bytes
         loop = running_loop("the forkd sandbox")
         vm = self.vm.sync
         try:

@@ -16,31 +16,56 @@ import json
 import os
 import posixpath
 import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inspect_ai._util.error import PrerequisiteError
 from inspect_ai.util import (
+    ComposeConfig,
     ExecResult,
     OutputLimitExceededError,
     SandboxEnvironmentLimits,
     SandboxUserUnsupportedError,
 )
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from pytest_forkd.errors import ConfigError, ForkdError
+from pytest_forkd.errors import ConfigError, ForkdError, did_you_mean
 from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.guest.exec_result import ExecResult as GuestResult
+from pytest_forkd.integrations.compose import (
+    COMPOSE_FILES,
+    DOCKERFILE,
+    dockerfile_service,
+    is_compose_file,
+    is_dockerfile,
+    load_compose,
+    parse_compose,
+)
+from pytest_forkd.integrations.image_sessions import ImageGuest
+
+if TYPE_CHECKING:
+    from pydantic.functional_validators import ModelWrapValidatorHandler
+    from pydantic_core import ErrorDetails
 
 #: Where commands run and relative paths resolve when the snapshot names no ``workdir``
 #: (the guest's init starts the agent in root's home).
 DEFAULT_WORKDIR = "/root"
 #: The config file Inspect finds next to a task when ``sandbox="forkd"`` names none.
 CONFIG_FILE = "forkd.yaml"
+#: What Inspect looks for next to a task, in this order: forkd's own file, then Docker's (forkd is docker-compatible).
+CONFIG_FILES = [CONFIG_FILE, *COMPOSE_FILES, DOCKERFILE]
+#: How Inspect's docker sandbox names sample metadata in a compose file (``${SAMPLE_METADATA_KEY}``).
+METADATA_PREFIX = "SAMPLE_METADATA_"
 #: Who runs a command when ``exec`` names no user: the guest agent's own user.
 ROOT_USERS = frozenset({"root", "0"})
 #: Prefix of what the guest agent writes when it cannot start a command (not the command's own output).
 AGENT_EXEC_PREFIX = "forkd-exec: exec: "
+#: The fields of :class:`ForkdSandboxConfig` a user writes (``session`` is set by the pytest plugin).
+CONFIG_FIELDS = ("config", "snapshot")
+#: How every line of a sandbox's error starts.
+ERROR_PREFIX = "forkd sandbox: "
 
 
 class ForkdSandboxConfig(BaseModel):
@@ -60,6 +85,42 @@ class ForkdSandboxConfig(BaseModel):
     session: str | None = None
     """Internal: the id of a forkd session lent by the pytest plugin (see ``forkd_inspect_sandbox``)."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _every_mistake(cls, data: Any, handler: ModelWrapValidatorHandler[ForkdSandboxConfig]) -> ForkdSandboxConfig:
+        """A config with mistakes fails with one line per mistake, each naming its field (pydantic's error still)."""
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            raise ValueError("\n".join(_field_problems(exc.errors()))) from None
+
+
+def _field_problems(errors: list[ErrorDetails]) -> list[str]:
+    """One line per mistake pydantic found: the field, what is wrong, the key a misspelt one most likely meant."""
+    lines = []
+    for error in errors:
+        field = ".".join(str(part) for part in error["loc"])
+        where = f"{ERROR_PREFIX}config.{field}" if field else f"{ERROR_PREFIX}config"
+        if error["type"] == "extra_forbidden":
+            lines.append(
+                f"{where}: unknown key; {did_you_mean(field, CONFIG_FIELDS)}valid keys: {', '.join(CONFIG_FIELDS)}"
+            )
+        else:
+            lines.append(f"{where}: {error['msg'][:1].lower()}{error['msg'][1:]}, got {error['input']!r}")
+    return lines
+
+
+def config_problems(exc: ValidationError) -> str:
+    """The lines a :class:`ForkdSandboxConfig` that failed validation reports, one per mistake."""
+    lines = []
+    for error in exc.errors():
+        cause = (error.get("ctx") or {}).get("error")
+        if error["type"] == "value_error" and str(cause).startswith(ERROR_PREFIX):
+            lines += str(cause).splitlines()
+        else:
+            lines += _field_problems([error])
+    return "\n".join(lines)
+
 
 class ForkdSandboxError(ConfigError, PrerequisiteError):
     """A forkd sandbox cannot start: Inspect's CLI prints the one-line message without a traceback.
@@ -77,10 +138,14 @@ class ForkdSandboxError(ConfigError, PrerequisiteError):
 def startup_error(exc: ForkdError) -> ForkdSandboxError:
     """The error an eval fails with when the sandbox cannot be set up: forkd's message, no traceback in the CLI.
 
-    A bad config or an unknown snapshot is one line; a snapshot whose setup
-    failed also shows the failing command's output.
+    A bad config or an unknown snapshot is one line (a forkd.yaml with several
+    mistakes, one line for each); a snapshot whose setup failed also shows the
+    failing command's output.
     """
-    return ForkdSandboxError(f"forkd sandbox: {str(exc).strip() or type(exc).__name__}")
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, ConfigError):
+        return ForkdSandboxError("\n".join(ERROR_PREFIX + line for line in text.splitlines()))
+    return ForkdSandboxError(ERROR_PREFIX + text)
 
 
 def parse_config(config: object) -> ForkdSandboxConfig:
@@ -96,8 +161,8 @@ def parse_config(config: object) -> ForkdSandboxConfig:
     if isinstance(config, BaseModel):
         try:
             return ForkdSandboxConfig.model_validate(config.model_dump())
-        except ValueError as exc:
-            raise ForkdSandboxError(f"forkd sandbox: config {config!r} is not a forkd config: {exc}") from None
+        except ValidationError as exc:
+            raise ForkdSandboxError(config_problems(exc)) from None
     raise ForkdSandboxError(
         f"forkd sandbox: config must be a forkd.yaml path or ForkdSandboxConfig, got {type(config).__name__}"
     )
@@ -107,8 +172,8 @@ def deserialize_config(data: dict[str, Any]) -> ForkdSandboxConfig:
     """:meth:`ForkdSandboxEnvironment.config_deserialize`: a config read back from an eval log."""
     try:
         return ForkdSandboxConfig.model_validate(data)
-    except ValueError as exc:
-        raise ForkdSandboxError(f"forkd sandbox: unreadable config {data!r}: {exc}") from None
+    except ValidationError as exc:
+        raise ForkdSandboxError(config_problems(exc)) from None
 
 
 def config_path(config: ForkdSandboxConfig, base: Path) -> Path | None:
@@ -117,6 +182,55 @@ def config_path(config: ForkdSandboxConfig, base: Path) -> Path | None:
         return None
     path = Path(os.path.expanduser(config.config))
     return path if path.is_absolute() else (base / path).absolute()
+
+
+# -- container images --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageSample:
+    """What a sample of a compose file or Dockerfile config runs in: the image's guest, and its default user."""
+
+    guest: ImageGuest
+    user: str | None = None
+    """``user:`` of the compose service (None: the image's ``User``)."""
+
+
+def is_image_config(config: object) -> bool:
+    """Whether a config names a container image as Docker would: a compose file, a Dockerfile, a ComposeConfig."""
+    if isinstance(config, str):
+        return is_compose_file(config) or is_dockerfile(config)
+    return isinstance(config, ComposeConfig)
+
+
+def image_sample(config: object, *, base: Path, environ: Mapping[str, str]) -> ImageSample:
+    """The image sample a compose file, Dockerfile or ComposeConfig describes; ConfigError names what is wrong.
+
+    Relative paths resolve against ``base`` (the task's directory);
+    ``environ`` is what the compose file is interpolated with.
+    """
+    if isinstance(config, ComposeConfig):
+        data = config.model_dump(by_alias=True, exclude_none=True)
+        service = parse_compose(data, base=base, origin="ComposeConfig", environ=environ)
+    elif isinstance(config, str) and is_compose_file(config):
+        service = load_compose(base / os.path.expanduser(config), environ=environ)
+    elif isinstance(config, str) and is_dockerfile(config):
+        service = dockerfile_service(base / os.path.expanduser(config))
+    else:
+        raise ForkdSandboxError(f"forkd sandbox: config {config!r} names no compose file or Dockerfile")
+    return ImageSample(guest=ImageGuest.of_service(service), user=service.user)
+
+
+def metadata_environment(config: object, metadata: Mapping[str, object], *, base: Path) -> dict[str, str]:
+    """``SAMPLE_METADATA_<KEY>`` for each metadata key a compose file mentions, as Inspect's docker sandbox does."""
+    if not (isinstance(config, str) and is_compose_file(config)) or not metadata:
+        return {}
+    try:
+        text = (base / os.path.expanduser(config)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    variables = {f"{METADATA_PREFIX}{key.replace(' ', '_').upper()}": str(value) for key, value in metadata.items()}
+    return {name: value for name, value in variables.items() if name in text}
 
 
 # -- paths -------------------------------------------------------------------------------------------------------
@@ -134,26 +248,24 @@ def is_root(user: str | None) -> bool:
     return user is None or user in ROOT_USERS
 
 
-#: What :func:`as_user`'s wrapper says when the guest has no ``su``.
-NO_SU = "su: not found (no su in the guest)"
-#: Where ``su`` is looked for, by absolute path (never through the image's PATH, which the command keeps).
-SU_PATHS = ("/usr/bin/su", "/bin/su", "/usr/sbin/su", "/sbin/su")
+def guest_user(user: str | None) -> str | None:
+    """A user as the guest agent takes it: ``root`` as uid 0, which needs no /etc/passwd entry."""
+    return "0" if user == "root" else user
 
 
-def as_user(user: str, argv: list[str]) -> list[str]:
-    """``argv`` run as ``user`` through the guest's ``su``, itself found by absolute path (:data:`SU_PATHS`).
+#: What the guest agent says when a user is not in the image's /etc/passwd (or a group not in /etc/group).
+UNKNOWN_USER = ("unable to find user", "unable to find group")
 
-    ``su`` without ``-m`` sets HOME, SHELL, USER and LOGNAME to the user's and
-    keeps the rest of the environment (PATH included: the command resolves
-    as root's would) and the working directory; the user must be in the
-    guest's /etc/passwd.
-    """
-    script = (
-        "user=$1; shift; for su in " + " ".join(SU_PATHS) + '; do if [ -x "$su" ]; then '
-        'exec "$su" -s /bin/sh "$user" -c \'exec "$0" "$@"\' "$@"; fi; done; '
-        f'echo "{NO_SU}" >&2; exit 127'
-    )
-    return ["/bin/sh", "-c", script, "forkd-as-user", user, *argv]
+
+def user_error(user: str, error: Exception) -> SandboxUserUnsupportedError | None:
+    """The error Inspect documents for a command the guest could not run as ``user``; None for other errors."""
+    text = str(error)
+    if any(marker in text for marker in UNKNOWN_USER) or text.startswith("user must be"):
+        return SandboxUserUnsupportedError(
+            f"forkd sandbox: the guest has no user {user!r} (no such entry in its /etc/passwd); add the user "
+            "to the image (or in the setup of the snapshot in forkd.yaml), or run as root (user='root')"
+        )
+    return None
 
 
 #: Beyond this many bytes of JSON, an argv goes to the guest in a script file rather than in the request
@@ -168,21 +280,6 @@ def argv_too_large(argv: list[str]) -> bool:
 def argv_script(argv: list[str]) -> str:
     """A shell script that runs ``argv`` (removing itself first): how a command too large for a request runs."""
     return 'rm -f -- "$0"\nset -- ' + " ".join(shlex.quote(arg) for arg in argv) + '\nexec "$@"\n'
-
-
-def user_error(user: str, result: GuestResult) -> SandboxUserUnsupportedError | None:
-    """The error for a command that ``su`` could not start as ``user``, or None if the command itself ran."""
-    stderr = result.stderr.strip()
-    if result.exit_code == 1 and stderr.startswith("su: unknown user"):
-        return SandboxUserUnsupportedError(
-            f"forkd sandbox: the guest has no user {user!r} (no such entry in its /etc/passwd); add the user "
-            "in the setup of the snapshot in forkd.yaml, or run as root (user=None)"
-        )
-    if result.exit_code == 127 and stderr == NO_SU:
-        return SandboxUserUnsupportedError(
-            f"forkd sandbox: cannot run as {user!r}: the guest image has no su; add one to the image, or run as root"
-        )
-    return None
 
 
 def launch_error(argv: list[str], result: GuestResult) -> PermissionError | None:
@@ -243,6 +340,35 @@ def os_error(exc: GuestOSError, path: str) -> OSError:
     if code == errno.ENOTDIR:
         return NotADirectoryError(code, "Not a directory", path)
     return OSError(code, exc.strerror, path)
+
+
+#: Writes stdin to "$1" in place, making its folder first: ``write_file`` for a user other than root, as
+#: Docker's sandbox writes (``mkdir -p`` and ``tee`` as the container's user), so the file's modes apply.
+WRITE_AS_USER = 'd=${1%/*}; if [ -n "$d" ] && [ "$d" != "$1" ]; then mkdir -p -- "$d" || exit 1; fi; cat > "$1"'
+
+
+def write_as_user(path: str) -> list[str]:
+    """The command that writes its stdin to ``path`` as the user it runs as."""
+    return ["/bin/sh", "-c", WRITE_AS_USER, "forkd-write", path]
+
+
+def read_as_user(path: str) -> list[str]:
+    """The command that prints ``path`` as the user it runs as (its permissions apply)."""
+    return ["cat", "--", path]
+
+
+def file_error(stderr: str, path: str) -> OSError:
+    """A failed ``write_as_user``/``read_as_user`` as the exception Inspect documents, naming Inspect's ``path``."""
+    said = stderr.casefold()
+    if "no such file" in said:
+        return FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+    if "permission denied" in said or "read-only file system" in said:
+        return PermissionError(errno.EACCES, "Permission denied", path)
+    if "is a directory" in said:
+        return IsADirectoryError(errno.EISDIR, "Is a directory", path)
+    if "not a directory" in said:
+        return NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
+    return OSError(errno.EIO, stderr.strip()[:500] or "the guest could not access the file", path)
 
 
 def read_limit_error() -> OutputLimitExceededError:

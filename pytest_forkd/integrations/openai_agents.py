@@ -13,8 +13,10 @@ client to the runner::
         result = await Runner.run(agent, "fix the bug", run_config=run_config)
 
 Each ``create`` hands out a fresh copy-on-write child VM of the snapshot the
-options name (``base`` unless they say otherwise), taken from a pool kept
-warm, so a session starts with a fork rather than a boot. The snapshot is
+options name (``base`` unless they say otherwise), or of the container image
+they name (``ForkdSandboxClientOptions(image="python:3.12-slim")``, as the
+SDK's Docker client takes an image), taken from a pool kept warm, so a
+session starts with a fork rather than a boot. The snapshot is
 built or restored once per process and (forkd.yaml, snapshot, pool) by a
 :class:`~pytest_forkd.project.session.ForkdSession` that every client of the
 process shares (:mod:`pytest_forkd.integrations.shared_sessions`). Under pytest,
@@ -41,7 +43,7 @@ import atexit
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -56,6 +58,7 @@ from agents.sandbox.snapshot import SnapshotBase, SnapshotSpec, resolve_snapshot
 from pytest_forkd.aio.offload import offload, uninterruptible
 from pytest_forkd.aio.vm import AsyncCheckpoint, AsyncVM, Starting
 from pytest_forkd.core.vm import VM
+from pytest_forkd.integrations.image_sessions import ImageGuest, canonical_reference, open_image_session
 from pytest_forkd.integrations.openai_agents_session import (
     BACKEND_ID,
     ForkdSandboxSession,
@@ -81,16 +84,25 @@ class ForkdSandboxClientOptions(BaseSandboxClientOptions):
 
     ``snapshot``: a named snapshot (the built-in ``base``, one declared in
     ``config``, or one in the store). ``config``: a forkd.yaml whose
-    ``settings:`` and snapshots apply, as in a pytest run. ``pool``:
-    children kept pre-restored (default: the settings' ``pool``, 1).
-    Unknown names and broken files fail ``create`` with forkd's one-line
-    :class:`~pytest_forkd.errors.ConfigError`, before anything boots.
+    ``settings:`` and snapshots apply, as in a pytest run. ``image``: a
+    container image instead of a snapshot, any reference forkd takes (a bare
+    one as Docker reads it: ``python:3.12-slim``, ``REGISTRY/NAME:TAG``;
+    ``docker://``, ``oci:``, ``oci-archive:``, ``docker-archive:``,
+    ``dockerfile:``), pulled or built and booted once per process; its VMs
+    have an outbound network, as a Docker container does, unless
+    ``network_mode="none"``. ``pool``: children kept pre-restored (default:
+    the settings' ``pool``, 1). Unknown names, malformed references and
+    broken files fail with forkd's one-line
+    :class:`~pytest_forkd.errors.ConfigError`, before anything boots; an image
+    that cannot be pulled or built fails ``create`` with forkd's ImageError.
     """
 
     type: Literal["forkd"] = "forkd"
     snapshot: str = "base"
     config: str | None = None
     pool: int | None = None
+    image: str | None = None
+    network_mode: Literal["none"] | None = None
 
     def __init__(
         self,
@@ -98,14 +110,34 @@ class ForkdSandboxClientOptions(BaseSandboxClientOptions):
         config: str | Path | None = None,
         pool: int | None = None,
         *,
+        image: str | None = None,
+        network_mode: Literal["none"] | None = None,
         type: Literal["forkd"] = "forkd",
     ) -> None:
+        if image is not None:
+            if snapshot != "base" or config is not None:
+                from pytest_forkd.errors import ConfigError
+
+                raise ConfigError(
+                    "ForkdSandboxClientOptions: give image= or snapshot=/config=, not both: a VM starts from one"
+                )
+            image = canonical_reference(image, origin="ForkdSandboxClientOptions image")
         super().__init__(
             type=type,
             snapshot=snapshot,
             config=None if config is None else str(Path(config).absolute()),
             pool=pool,
+            image=image,
+            network_mode=network_mode,
         )
+
+    @property
+    def guest(self) -> ImageGuest | None:
+        """The container image these options name, as the key of its warm parent (None: a snapshot)."""
+        if self.image is None:
+            return None
+        network: Literal["none", "outbound"] = "none" if self.network_mode == "none" else "outbound"
+        return ImageGuest(reference=self.image, network=network, pool=self.pool, origin="ForkdSandboxClientOptions")
 
 
 class ForkdSandbox(SandboxSession):
@@ -177,7 +209,7 @@ class ForkdSandboxClient(BaseSandboxClient[ForkdSandboxClientOptions | None]):
         self._instrumentation = instrumentation if instrumentation is not None else Instrumentation()
         self._dependencies = dependencies
         self._lock = threading.RLock()
-        self._owned: dict[tuple[str, str | None, str, int | None], ForkdSession] = {}
+        self._owned: dict[Hashable, ForkdSession] = {}
         """The shared sessions this client uses (one user each), by key."""
         self._vms: dict[str, VM] = {}
         """Every live VM this client made, by name: what ``resume`` reattaches to and ``close`` kills."""
@@ -189,10 +221,14 @@ class ForkdSandboxClient(BaseSandboxClient[ForkdSandboxClientOptions | None]):
         """Options used when ``create`` gets none: the run's selected snapshot with ``forkd``, else ``base``."""
         return ForkdSandboxClientOptions(snapshot=self._forkd.settings.snapshot if self._forkd else "base")
 
-    def _session_for(self, snapshot: str, config: str | None, pool: int | None) -> ForkdSession:
+    def _session_for(
+        self, snapshot: str, config: str | None, pool: int | None, guest: ImageGuest | None = None
+    ) -> ForkdSession:
         """The forkd session the VMs of these options come from (blocking: it may build the snapshot)."""
         from pytest_forkd.project.session import ForkdSession
 
+        if guest is not None:
+            return self._image_session(guest)
         if self._forkd is not None and config is None and pool is None:
             self._forkd.check_snapshot_name(snapshot)
             return self._forkd
@@ -211,9 +247,33 @@ class ForkdSandboxClient(BaseSandboxClient[ForkdSandboxClientOptions | None]):
             )
             return session
 
-    def _child(self, snapshot: str, config: str | None, pool: int | None) -> VM:
-        """A fresh child VM (blocking): of the pytest parent's state, or of the named snapshot (pooled)."""
-        session = self._session_for(snapshot, config, pool)
+    def _image_session(self, guest: ImageGuest) -> ForkdSession:
+        """The process's session of a container image (shared by every client), warm: pulled or built, booted."""
+        key = (BACKEND_ID, "image", guest)
+        with self._lock:
+            if self._closed:
+                from pytest_forkd.errors import VMError
+
+                raise VMError("this ForkdSandboxClient is closed; make a new one")
+            session = self._owned.get(key)
+            if session is not None:
+                return session
+
+            def opener() -> ForkdSession:
+                opened = open_image_session(guest)
+                try:
+                    opened.snapshot  # noqa: B018 - pull or build, boot once, start the pool
+                except BaseException:
+                    opened.close()
+                    raise
+                return opened
+
+            session = self._owned[key] = SESSIONS.acquire(key, opener)
+            return session
+
+    def _child(self, snapshot: str, config: str | None, pool: int | None, guest: ImageGuest | None = None) -> VM:
+        """A fresh child VM (blocking): of the pytest parent's state, or of the named snapshot or image (pooled)."""
+        session = self._session_for(snapshot, config, pool, guest)
         if session is self._forkd:
             vm = session.child(VMChoice(snapshot=snapshot, backend=session.settings.backend))
         else:
@@ -262,7 +322,7 @@ class ForkdSandboxClient(BaseSandboxClient[ForkdSandboxClientOptions | None]):
         manifest = manifest if manifest is not None else Manifest()
         self._validate_manifest_for_create(manifest)
         vms = await self._offload_vms(
-            "create", lambda: [self._child(resolved.snapshot, resolved.config, resolved.pool)]
+            "create", lambda: [self._child(resolved.snapshot, resolved.config, resolved.pool, resolved.guest)]
         )
         vm = vms[0]
         session_id = uuid.uuid4()
@@ -273,6 +333,8 @@ class ForkdSandboxClient(BaseSandboxClient[ForkdSandboxClientOptions | None]):
             forkd_snapshot=resolved.snapshot,
             forkd_config=resolved.config,
             forkd_pool=resolved.pool,
+            forkd_image=resolved.image,
+            forkd_network_mode=resolved.network_mode,
         )
         return self._wrap(ForkdSandboxSession(state=state, vm=vm))
 
@@ -308,8 +370,15 @@ class ForkdSandboxClient(BaseSandboxClient[ForkdSandboxClientOptions | None]):
             inner._root_ready = state.workspace_root_ready
             inner._set_start_state_preserved(True)
             return self._wrap(inner)
+        options = ForkdSandboxClientOptions(
+            state.forkd_snapshot,
+            state.forkd_config,
+            state.forkd_pool,
+            image=state.forkd_image,
+            network_mode=state.forkd_network_mode,
+        )
         vms = await self._offload_vms(
-            "resume", lambda: [self._child(state.forkd_snapshot, state.forkd_config, state.forkd_pool)]
+            "resume", lambda: [self._child(options.snapshot, options.config, options.pool, options.guest)]
         )
         state.workspace_root_ready = False
         inner = ForkdSandboxSession(state=state, vm=vms[0])

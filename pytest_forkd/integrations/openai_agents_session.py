@@ -92,15 +92,17 @@ EXEC_MAX_OUTPUT = 16 << 20
 class ForkdSandboxSessionState(SandboxSessionState):
     """What the SDK stores of a forkd session (``serialize_session_state``), enough to resume it.
 
-    ``forkd_snapshot``/``forkd_config`` say where a replacement VM comes
-    from; ``vm_name`` names the live child, which a client of the same
-    process reattaches to on ``resume``.
+    ``forkd_snapshot``/``forkd_config`` (or ``forkd_image``) say where a
+    replacement VM comes from; ``vm_name`` names the live child, which a
+    client of the same process reattaches to on ``resume``.
     """
 
     type: Literal["forkd"] = "forkd"
     forkd_snapshot: str = "base"
     forkd_config: str | None = None
     forkd_pool: int | None = None
+    forkd_image: str | None = None
+    forkd_network_mode: Literal["none"] | None = None
     vm_name: str | None = None
 
 

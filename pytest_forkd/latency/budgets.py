@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from pytest_forkd.errors import ConfigError
+from pytest_forkd.errors import ConfigError, ConfigProblems, did_you_mean
 from pytest_forkd.latency.timings import KNOWN_OPS, Sample
 
 #: Statistics a budget can limit.
@@ -105,6 +105,18 @@ def _format_ms(value: float) -> str:
     return f"{value:g}"
 
 
+def _figure_over(measured: float, limit: float) -> str:
+    """``measured`` in three significant digits, or as many more as show that it is over ``limit``."""
+    if measured >= 1000:
+        text = f"{measured:.0f}"
+        return text if float(text) > limit else f"{measured:.3f}"
+    for digits in (3, 4, 5, 6):
+        text = f"{measured:.{digits}g}"
+        if float(text) > limit:
+            break
+    return text
+
+
 def _positive_number(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
         raise ConfigError(f"{where}: expected a positive number, got {value!r}")
@@ -113,12 +125,14 @@ def _positive_number(value: object, where: str) -> float:
 
 def _check_op(op: object, where: str) -> str:
     if op not in KNOWN_OPS:
-        raise ConfigError(f"{where}: unknown operation {op!r}; valid operations: {', '.join(KNOWN_OPS)}")
+        raise ConfigError(
+            f"{where}: unknown operation {op!r}; {did_you_mean(op, KNOWN_OPS)}valid operations: {', '.join(KNOWN_OPS)}"
+        )
     return str(op)
 
 
-def _stat_keys() -> str:
-    return ", ".join(f"{stat}_ms" for stat in BUDGET_STATS)
+#: Keys of one operation's limits in forkd.yaml: ``p95_ms`` and the like.
+_STAT_KEYS: Final = tuple(f"{stat}_ms" for stat in BUDGET_STATS)
 
 
 def _budgets_of_mapping(
@@ -127,38 +141,43 @@ def _budgets_of_mapping(
     origin: str,
     path: str,
     backend: str | None,
+    problems: ConfigProblems,
     *,
     allow_backends: bool,
 ) -> list[Budget]:
-    """Budgets of one ``{p95_ms: 200, ...}`` mapping found at ``path`` in ``origin``."""
+    """Budgets of one ``{p95_ms: 200, ...}`` mapping found at ``path`` in ``origin``; mistakes go to ``problems``."""
     budgets: list[Budget] = []
     for key, value in limits.items():
         key_path = f"{path}.{key}"
         where = f"{origin}: {key_path}"
         if key == "backends" and allow_backends:
             if not isinstance(value, Mapping):
-                raise ConfigError(
+                problems.add(
                     f"{where}: expected a mapping of backend name to limits, "
                     f"e.g. {{diff: {{p95_ms: 40}}}}, got {value!r}"
                 )
+                continue
             for backend_name, backend_limits in value.items():
                 backend_path = f"{key_path}.{backend_name}"
                 if not isinstance(backend_name, str) or not backend_name:
-                    raise ConfigError(f"{origin}: {backend_path}: expected a backend name such as 'diff'")
-                if not isinstance(backend_limits, Mapping):
-                    raise ConfigError(
+                    problems.add(f"{origin}: {backend_path}: expected a backend name such as 'diff'")
+                elif not isinstance(backend_limits, Mapping):
+                    problems.add(
                         f"{origin}: {backend_path}: expected a mapping such as {{p95_ms: 40}}, got {backend_limits!r}"
                     )
-                budgets += _budgets_of_mapping(
-                    backend_limits, op, origin, backend_path, backend_name, allow_backends=False
-                )
+                else:
+                    budgets += _budgets_of_mapping(
+                        backend_limits, op, origin, backend_path, backend_name, problems, allow_backends=False
+                    )
             continue
         stat = key[: -len("_ms")] if isinstance(key, str) and key.endswith("_ms") else None
         if stat not in BUDGET_STATS:
-            valid = _stat_keys() + (", backends" if allow_backends else "")
-            raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {valid}")
-        limit = _positive_number(value, where)
-        budgets.append(Budget(op, stat, limit, backend=backend, source=f"{origin} {key_path}"))
+            valid = (*_STAT_KEYS, "backends") if allow_backends else _STAT_KEYS
+            problems.add(f"{where}: unknown key {key!r}; {did_you_mean(key, valid)}valid keys: {', '.join(valid)}")
+            continue
+        with problems.collect():
+            limit = _positive_number(value, where)
+            budgets.append(Budget(op, stat, limit, backend=backend, source=f"{origin} {key_path}"))
     return budgets
 
 
@@ -166,7 +185,9 @@ def budgets_from_config(budgets: object, *, origin: str = "forkd.yaml") -> list[
     """Parse the value of forkd.yaml's ``budgets`` key (already loaded with yaml.safe_load).
 
     Errors name the field path, e.g. ``forkd.yaml: budgets.fork.p95_ms: expected a
-    positive number, got 'x'``; ``origin`` is the file name to put in front.
+    positive number, got 'x'``; ``origin`` is the file name to put in front. Every
+    mistake is reported, one line each, in one ConfigError; a misspelt operation or
+    key gets the valid one it most likely meant.
     """
     if budgets is None:
         return []
@@ -175,25 +196,48 @@ def budgets_from_config(budgets: object, *, origin: str = "forkd.yaml") -> list[
             f"{origin}: budgets: expected a mapping of operation to limits, "
             f"e.g. {{fork: {{p95_ms: 200}}}}, got {budgets!r}"
         )
+    problems = ConfigProblems()
     parsed: list[Budget] = []
     for op, limits in budgets.items():
         path = f"budgets.{op}"
-        _check_op(op, f"{origin}: {path}")
-        if not isinstance(limits, Mapping):
-            raise ConfigError(f"{origin}: {path}: expected a mapping such as {{p95_ms: 200}}, got {limits!r}")
-        parsed += _budgets_of_mapping(limits, str(op), origin, path, None, allow_backends=True)
+        with problems.collect():
+            _check_op(op, f"{origin}: {path}")
+            if not isinstance(limits, Mapping):
+                raise ConfigError(f"{origin}: {path}: expected a mapping such as {{p95_ms: 200}}, got {limits!r}")
+            parsed += _budgets_of_mapping(limits, str(op), origin, path, None, problems, allow_backends=True)
+    problems.raise_all()
     return parsed
 
 
+def budgets_from_cli(texts: Sequence[str], *, option: str = "--forkd-budget") -> list[Budget]:
+    """Parse every ``OP.STAT=VALUE`` given; one ConfigError lists every one that is wrong, a line each."""
+    problems = ConfigProblems()
+    budgets = []
+    for text in texts:
+        with problems.collect():
+            budgets.append(budget_from_cli(text, option=option))
+    problems.raise_all()
+    return budgets
+
+
 def budget_from_cli(text: str, *, option: str = "--forkd-budget") -> Budget:
-    """Parse ``OP.STAT=VALUE`` (``ms`` or ``s`` suffix allowed, milliseconds by default)."""
+    """Parse ``OP.STAT=VALUE`` (``ms`` or ``s`` suffix allowed, milliseconds by default).
+
+    A misspelt operation and statistic are both reported (one line each), with the valid names they most
+    likely meant.
+    """
     match = _CLI_PATTERN.match(text)
     if not match:
         raise ConfigError(f"{option} {text!r}: expected {_CLI_FORM}")
-    op = _check_op(match["op"], f"{option} {text!r}")
+    problems = ConfigProblems()
+    op = problems.attempt(lambda: _check_op(match["op"], f"{option} {text!r}"), "")
     stat = match["stat"]
     if stat not in BUDGET_STATS:
-        raise ConfigError(f"{option} {text!r}: unknown statistic {stat!r}; valid statistics: {', '.join(BUDGET_STATS)}")
+        problems.add(
+            f"{option} {text!r}: unknown statistic {stat!r}; {did_you_mean(stat, BUDGET_STATS)}"
+            f"valid statistics: {', '.join(BUDGET_STATS)}"
+        )
+    problems.raise_all()
     try:
         value = float(match["value"])
     except ValueError:
@@ -223,8 +267,8 @@ def budgets_from_marker(
         op = MARKER_KEYS.get(key)
         if op is None:
             raise ConfigError(
-                f"{where}: unknown argument {key!r}; valid arguments: {', '.join(MARKER_KEYS)} "
-                "(OPERATION_ms, one per timed operation)"
+                f"{where}: unknown argument {key!r}; {did_you_mean(key, MARKER_KEYS)}valid arguments: "
+                f"{', '.join(MARKER_KEYS)} (OPERATION_ms, one per timed operation)"
             )
         if value is None:
             continue
@@ -234,8 +278,20 @@ def budgets_from_marker(
 
 
 def violation_report(violations: Sequence[Violation]) -> str:
-    """What a test that broke its own budgets reports: each operation, its figure and the limit."""
-    lines = [f"forkd_budget exceeded ({len(violations)} limit{'s' if len(violations) != 1 else ''}):"]
+    """What a test that broke its own budgets reports: each operation, its figure and the limit.
+
+    The first line names the first limit exceeded with both figures, e.g.
+    ``forkd_budget exceeded: exec max 31.9 ms > 1 ms (and 1 more)``: it is all
+    that pytest's short summary (``-rf``) and many CI logs show of a failure.
+    The lines below list every limit exceeded.
+    """
+    first = violations[0]
+    backend = f" [{first.budget.backend}]" if first.budget.backend else ""
+    more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+    lines = [
+        f"forkd_budget exceeded: {first.budget.op}{backend} {first.budget.stat} "
+        f"{_figure_over(first.measured_ms, first.budget.limit_ms)} ms > {_format_ms(first.budget.limit_ms)} ms{more}"
+    ]
     for violation in violations:
         budget = violation.budget
         backend = f" [{budget.backend}]" if budget.backend else ""

@@ -20,7 +20,8 @@ import pytest
 from pytest_forkd.errors import ForkdError
 from pytest_forkd.plugin import report
 from pytest_forkd.plugin.fixtures import CHOICE, DANGEROUS_CHECKPOINT, TEST_BUDGETS, TEST_VM, TEST_VMS, choice_of
-from pytest_forkd.plugin.options import add_markers
+from pytest_forkd.plugin.isolate import IsolationHooks
+from pytest_forkd.plugin.options import add_markers, usage_error
 from pytest_forkd.plugin.progress import PrefixRestorer
 from pytest_forkd.plugin.state import STATE, names_forkd, run_state, start_run, uses_forkd, worker_id
 from pytest_forkd.plugin.xdist import WORKER_OUTPUT_KEY, XdistHooks
@@ -46,6 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(state), "forkd-xdist")
     config.pluginmanager.register(PrefixRestorer(config), "forkd-progress")
+    config.pluginmanager.register(IsolationHooks(state), "forkd-isolate")
     if config.getoption("forkd_report", None) and getattr(config, "workerinput", None) is None:
         from pytest_forkd.plugin.html_report import TestTimes, check_report_path
 
@@ -104,7 +106,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
             check_snapshots(state.settings, state.project, sorted(marked_snapshots - {state.settings.snapshot}))
     except ForkdError as exc:
-        raise pytest.UsageError(str(exc)) from None
+        raise usage_error(exc) from None
 
 
 def _expected_children(config: pytest.Config, items: list[pytest.Item]) -> int:

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Callable, Final
 
 import pytest
 
+from pytest_forkd.plugin import isolate_options
 from pytest_forkd.project import settings as forkd_settings
 
 if TYPE_CHECKING:
+    from pytest_forkd.errors import ForkdError
     from pytest_forkd.latency.budgets import Budget
     from pytest_forkd.latency.compare import Threshold
     from pytest_forkd.project.config import Project
@@ -39,9 +41,54 @@ DANGEROUS_MARKER_HELP: Final = (
 )
 
 
+@dataclass(frozen=True)
+class HelpGroup:
+    """One group of ``pytest --help``: the forkd options that serve one purpose."""
+
+    name: str
+    heading: str
+
+
+#: The forkd groups of ``pytest --help``, in the order shown. A new option goes in the group of its
+#: purpose through :func:`vms_group`, :func:`timings_group` or :func:`reports_group`.
+VMS: Final = HelpGroup("forkd", "pytest-forkd: VMs and snapshots")
+TIMINGS: Final = HelpGroup("forkd-timings", "pytest-forkd: timings, budgets and baselines")
+REPORTS: Final = HelpGroup("forkd-reports", "pytest-forkd: reports")
+HELP_GROUPS: Final = (VMS, TIMINGS, REPORTS)
+
+
+def help_group(parser: pytest.Parser, group: HelpGroup) -> pytest.OptionGroup:
+    """``group`` of ``parser``, made on first use right after the forkd group before it (made first if need be)."""
+    index = HELP_GROUPS.index(group)
+    if not index:
+        return parser.getgroup(group.name, group.heading)
+    help_group(parser, HELP_GROUPS[index - 1])
+    return parser.getgroup(group.name, group.heading, after=HELP_GROUPS[index - 1].name)
+
+
+def vms_group(parser: pytest.Parser) -> pytest.OptionGroup:
+    """Options that choose what the tests' VMs are made from and where their snapshots are kept."""
+    return help_group(parser, VMS)
+
+
+def timings_group(parser: pytest.Parser) -> pytest.OptionGroup:
+    """Options about the run's timings: budgets, stored runs and comparisons with them."""
+    return help_group(parser, TIMINGS)
+
+
+def reports_group(parser: pytest.Parser) -> pytest.OptionGroup:
+    """Options that write what happened in the run to files (JSON, HTML, transcripts)."""
+    return help_group(parser, REPORTS)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("forkd", "pytest-forkd: microVM fixtures")
-    forkd_settings.add_options(group, parser)
+    forkd_settings.add_options(vms_group(parser), parser)
+    isolate_options.add_options(vms_group(parser), parser)
+    _add_timing_options(timings_group(parser))
+    _add_report_options(reports_group(parser))
+
+
+def _add_timing_options(group: pytest.OptionGroup) -> None:
     group.addoption(
         "--forkd-budget",
         action="append",
@@ -49,19 +96,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="OP.STAT=VALUE",
         help="latency budget for the whole run, e.g. fork.p95=300 or branch_pause.max=50ms "
         "(repeatable; overrides forkd.yaml budgets)",
-    )
-    group.addoption(
-        "--forkd-json",
-        metavar="PATH",
-        default=None,
-        help="write every timing sample, the summaries and budget results to PATH as JSON",
-    )
-    group.addoption(
-        "--forkd-report",
-        metavar="PATH",
-        default=None,
-        help="write an HTML report of the run to PATH: latency table, a histogram per operation with its "
-        "budgets, the comparison with a baseline (--forkd-compare), the slowest tests (self-contained, one file)",
     )
     group.addoption(
         "--forkd-save",
@@ -88,13 +122,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "name, file, or a directory of shard runs merged into one); write --forkd-compare=ID",
     )
     group.addoption(
-        "--forkd-transcript",
-        metavar="DIR",
-        default=None,
-        help="write the transcript of every test's VMs (each exec, file operation, snapshot and "
-        "restore) to DIR/<test>.jsonl; replay one with `forkd bisect FILE --check CMD`",
-    )
-    group.addoption(
         "--forkd-compare-fail",
         action="append",
         default=[],
@@ -107,6 +134,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="refuse (exit status 1) to compare with a run of a different machine, accelerator, "
         "backend or QEMU version, instead of warning",
+    )
+
+
+def _add_report_options(group: pytest.OptionGroup) -> None:
+    group.addoption(
+        "--forkd-json",
+        metavar="PATH",
+        default=None,
+        help="write every timing sample, the summaries and budget results to PATH as JSON",
+    )
+    group.addoption(
+        "--forkd-report",
+        metavar="PATH",
+        default=None,
+        help="write an HTML report of the run to PATH: latency table, a histogram per operation with its "
+        "budgets, the comparison with a baseline (--forkd-compare), the slowest tests (self-contained, one file)",
+    )
+    group.addoption(
+        "--forkd-transcript",
+        metavar="DIR",
+        default=None,
+        help="write the transcript of every test's VMs (each exec, file operation, snapshot and "
+        "restore) to DIR/<test>.jsonl; replay one with `forkd bisect FILE --check CMD`",
     )
 
 
@@ -124,11 +174,18 @@ def resolve_run(config: pytest.Config, *, backends: Callable[[], list[str]]) -> 
 
     ``backends`` lists the storage backend ids a setting may name (asked only when one is named).
     """
-    from pytest_forkd.latency.budgets import budget_from_cli
+    from pytest_forkd.errors import ConfigProblems
+    from pytest_forkd.latency.budgets import budgets_from_cli
     from pytest_forkd.project.config import EMPTY_PROJECT, load_project
 
     config_file, config_source = forkd_settings.project_file(config)
-    project = load_project(config_file) if config_file else EMPTY_PROJECT
+    problems = ConfigProblems()  # forkd.yaml's mistakes and the options' are reported together
+    project = problems.attempt(lambda: load_project(config_file), EMPTY_PROJECT) if config_file else EMPTY_PROJECT
+    cli_budgets: list[Budget] = problems.attempt(lambda: budgets_from_cli(config.getoption("forkd_budget")), [])
+    thresholds: list[Threshold] = problems.attempt(
+        lambda: _compare_fail_thresholds(config.getoption("forkd_compare_fail")), []
+    )
+    problems.raise_all()
     mirror = project.settings.get("debian_mirror")
     if mirror is not None or "pytest_forkd.image.mirror" in sys.modules:  # else nothing to set or forget
         from pytest_forkd.image.mirror import use_project_mirror
@@ -142,12 +199,12 @@ def resolve_run(config: pytest.Config, *, backends: Callable[[], list[str]]) -> 
         backends=backends,
     )
     check_snapshots(settings, project, [settings.snapshot])
-    return Resolved(
-        settings=settings,
-        project=project,
-        cli_budgets=[budget_from_cli(text) for text in config.getoption("forkd_budget")],
-        thresholds=_compare_fail_thresholds(config.getoption("forkd_compare_fail")),
-    )
+    return Resolved(settings=settings, project=project, cli_budgets=cli_budgets, thresholds=thresholds)
+
+
+def usage_error(exc: ForkdError) -> pytest.UsageError:
+    """``exc`` as pytest's usage error: one ``ERROR:`` line per line of it (a file's mistakes, one each)."""
+    return pytest.UsageError(*(str(exc).splitlines() or [type(exc).__name__]))
 
 
 def check_snapshots(settings: Settings, project: Project, names: list[str]) -> None:

@@ -103,12 +103,12 @@ class RunState:
     def resolve(self) -> Resolved:
         """The run's settings, worked out the first time they are needed; a bad one is a usage error."""
         if self._resolved is None:
-            from pytest_forkd.plugin.options import resolve_run
+            from pytest_forkd.plugin.options import resolve_run, usage_error
 
             try:
                 self._resolved = resolve_run(self.config, backends=lambda: self.runtime.backends.ids())
             except ForkdError as exc:
-                raise pytest.UsageError(str(exc)) from None
+                raise usage_error(exc) from None
         return self._resolved
 
     @property

@@ -12,6 +12,9 @@ every machine::
       keep_failed_count: 5    # kept failed-<test> snapshots beyond the newest 5 are removed
       keep_failed_age: 7d     # and those older than 7 days (s, m, h, d, w; a bare number is days)
       store_max_size: 20GiB   # evict least recently used recipe snapshots past this size (default: no cap)
+      pull: missing           # container images: missing (default: a reference pulled before is used
+                              # offline), always (ask the registry each run), never (only what is cached)
+      insecure_registries: [registry.lan:5000]  # plain HTTP beyond localhost/127.0.0.0/8 (which always may)
     images:                   # guest images built on demand for `from: image:NAME`, cached by content hash
       tools:
         recipe: default       # the built-in recipe, or a recipe file (relative to forkd.yaml)
@@ -22,7 +25,8 @@ every machine::
           - chmod +x /usr/local/bin/lint
     snapshots:
       tools:                  # built once, cached in the snapshot store under this name
-        from: base            # another snapshot, or image:NAME to boot a guest image
+        from: base            # another snapshot, image:NAME to boot a guest image, or a container
+                              # image: docker://REF, dockerfile:PATH, oci:DIR[:TAG], oci-archive:FILE, docker-archive:FILE
         memory_mib: 256
         env: {APP_ENV: test}  # exported to the setup commands and to every command of VMs forked from it
         workdir: /srv/app     # working directory of the setup commands and of every later command (created)
@@ -48,21 +52,28 @@ every machine::
 project may redeclare it (it then starts from ``image:default`` unless it says
 otherwise, and is the project's own). Snapshot names are per project (see
 :mod:`pytest_forkd.project.lifecycle`). Every error names the file and the field path, e.g.
-``forkd.yaml: snapshots.web.setup[2]: expected a string``.
+``forkd.yaml: snapshots.web.setup[2]: expected a string``, and an unknown key the valid one it
+most likely meant (``forkd.yaml: snapshot: unknown key; did you mean 'snapshots'? ...``). A file
+with several mistakes fails with one ConfigError listing every one of them, a line each. The valid
+keys are data (``_TOP_LEVEL_KEYS``, ``SETTING_KEYS``, ``_SNAPSHOT_KEYS``, ``_IMAGE_KEYS``): a new
+key is one more entry there, and its parsing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import yaml
 
 from pytest_forkd.engine.network import NetworkSpec, network_spec
-from pytest_forkd.errors import ConfigError, InvalidArgument
+from pytest_forkd.errors import ConfigError, ConfigProblems, InvalidArgument, did_you_mean
+from pytest_forkd.image.oci.reference import is_reference, parse_reference
 from pytest_forkd.latency.budgets import Budget, budgets_from_config
 from pytest_forkd.paths import BASE_SNAPSHOT as BASE_SNAPSHOT  # re-exported: the project's names for them
 from pytest_forkd.paths import PROJECT_FILE as PROJECT_FILE
@@ -70,6 +81,7 @@ from pytest_forkd.paths import TAG_PATTERN
 from pytest_forkd.sizes import parse_byte_size
 
 IMAGE_PREFIX: Final = "image:"
+_T = TypeVar("_T")
 
 #: Keys of the ``settings:`` section; their meaning is in :mod:`pytest_forkd.project.settings`.
 SETTING_KEYS: Final = (
@@ -85,10 +97,15 @@ SETTING_KEYS: Final = (
     "store_max_size",
     "debian_mirror",
     "max_output",
+    "pull",
+    "insecure_registries",
 )
+#: Values of ``settings.pull``: when a container image is pulled again (Docker's pull policies).
+PULL_POLICIES: Final = ("missing", "always", "never")
 _TOP_LEVEL_KEYS: Final = ("settings", "images", "snapshots", "budgets")
 _SNAPSHOT_KEYS: Final = ("from", "memory_mib", "vcpus", "env", "workdir", "files", "setup", "shared", "network")
 _IMAGE_KEYS: Final = ("recipe", "packages", "files", "setup")
+_COPY_KEYS: Final = ("to", "exclude")
 #: The image every snapshot boots unless it says ``from: image:NAME``.
 DEFAULT_IMAGE: Final = "default"
 
@@ -128,7 +145,9 @@ class SnapshotRecipe:
 
     @property
     def source_image(self) -> str | None:
-        """The image booted for this snapshot, or None when it starts from another snapshot."""
+        """The image booted for this snapshot (a name, or a container reference), or None for a snapshot."""
+        if is_reference(self.source):
+            return self.source
         return self.source[len(IMAGE_PREFIX) :] if self.source.startswith(IMAGE_PREFIX) else None
 
 
@@ -170,6 +189,22 @@ class Project:
     def origin(self) -> str:
         """How error messages name this file."""
         return self.path.name if self.path else PROJECT_FILE
+
+    def with_image_snapshot(self, reference: str) -> tuple[Project, str]:
+        """This project plus a snapshot of container image ``reference`` booted and ready; and its name.
+
+        What ``--forkd-image`` runs a session on: the snapshot is named after
+        the image (``image-python-3.12-slim-<hash>``) and built like any other.
+        """
+        import hashlib
+
+        from pytest_forkd.paths import sanitize_tag
+
+        last = reference.rstrip("/").rsplit("/", 1)[-1]
+        digest = hashlib.sha256(reference.encode()).hexdigest()[:8]
+        name = f"image-{sanitize_tag(last)[:44]}-{digest}"
+        recipe = SnapshotRecipe(name=name, source=reference)
+        return dataclasses.replace(self, snapshots={**self.snapshots, name: recipe}), name
 
     def snapshot_names(self) -> list[str]:
         """Every snapshot name a test may ask for: ``base`` and the declared ones."""
@@ -222,28 +257,45 @@ def yaml_error_message(path: Path, exc: yaml.YAMLError) -> str:
 
 
 def parse_project(data: object, *, path: Path) -> Project:
-    """Validate the loaded YAML ``data`` of the file at ``path`` (relative paths resolve next to it)."""
+    """Validate the loaded YAML ``data`` of the file at ``path`` (relative paths resolve next to it).
+
+    Every section is checked even after a mistake, so one ConfigError lists every mistake of the file.
+    """
     origin = path.name
     if data is None:
         return Project(path=path)
     where = _Where(origin)
     mapping = where.mapping(data, "", "a mapping with keys " + ", ".join(_TOP_LEVEL_KEYS))
     where.known_keys(mapping, "", _TOP_LEVEL_KEYS)
-    settings = _parse_settings(mapping.get("settings"), where, path.parent)
-    images = _parse_images(mapping.get("images"), where, path.parent)
-    snapshots = _parse_snapshots(mapping.get("snapshots"), where, path.parent)
-    budgets = tuple(budgets_from_config(mapping.get("budgets"), origin=origin))
-    return Project(path=path, snapshots=snapshots, settings=settings, budgets=budgets, images=images)
+    settings: dict[str, Any] = where.attempt(lambda: _parse_settings(mapping.get("settings"), where, path.parent), {})
+    images: dict[str, ProjectImage] = where.attempt(
+        lambda: _parse_images(mapping.get("images"), where, path.parent), {}
+    )
+    snapshots: dict[str, SnapshotRecipe] = where.attempt(
+        lambda: _parse_snapshots(mapping.get("snapshots"), where, path.parent), {}
+    )
+    budgets: list[Budget] = where.attempt(lambda: budgets_from_config(mapping.get("budgets"), origin=origin), [])
+    where.problems.raise_all()
+    return Project(path=path, snapshots=snapshots, settings=settings, budgets=tuple(budgets), images=images)
 
 
 class _Where:
-    """Builds ConfigErrors that start with ``<file>: <field path>:``."""
+    """Builds ConfigErrors that start with ``<file>: <field path>:``, and gathers the file's mistakes."""
 
     def __init__(self, origin: str) -> None:
         self.origin = origin
+        self.problems = ConfigProblems()
 
     def error(self, field_path: str, problem: str) -> ConfigError:
         return ConfigError(f"{self.origin}: {field_path}: {problem}" if field_path else f"{self.origin}: {problem}")
+
+    def attempt(self, check: Callable[[], _T], fallback: _T) -> _T:
+        """``check()``, or ``fallback`` when it finds a mistake (recorded, and the file's checking goes on)."""
+        return self.problems.attempt(check, fallback)
+
+    def collect(self) -> AbstractContextManager[None]:
+        """Record a mistake the block raises and go on after the block."""
+        return self.problems.collect()
 
     def mapping(self, value: object, field_path: str, expected: str) -> Mapping[Any, Any]:
         if not isinstance(value, Mapping):
@@ -251,9 +303,11 @@ class _Where:
         return value
 
     def known_keys(self, mapping: Mapping[Any, Any], field_path: str, allowed: tuple[str, ...]) -> None:
+        """Record every key of ``mapping`` not in ``allowed``, with the valid key it most likely meant."""
         for key in mapping:
             if key not in allowed:
-                raise self.error(_join(field_path, key), f"unknown key; valid keys: {', '.join(allowed)}")
+                problem = f"unknown key; {did_you_mean(key, allowed)}valid keys: {', '.join(allowed)}"
+                self.problems.add(str(self.error(_join(field_path, key), problem)))
 
     def string(self, value: object, field_path: str) -> str:
         if not isinstance(value, str):
@@ -287,33 +341,60 @@ def _parse_settings(value: object, where: _Where, root: Path) -> dict[str, Any]:
     where.known_keys(section, "settings", SETTING_KEYS)
     settings: dict[str, Any] = {}
     for key, item in section.items():
-        field_path = f"settings.{key}"
-        if key == "pool":
-            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-                raise where.error(field_path, f"expected a whole number >= 0, got {_shown(item)}")
-            settings[key] = item
-        elif key in ("keep_failed", "pool_prefill"):
-            if not isinstance(item, bool):
-                raise where.error(field_path, f"expected true or false, got {_shown(item)}")
-            settings[key] = item
-        elif key in ("keep_failed_count", "keep_failed_age", "store_max_size"):
-            from pytest_forkd.project import lifecycle
-
-            parse = {
-                "keep_failed_count": lifecycle.parse_count,
-                "keep_failed_age": lifecycle.parse_age,
-                "store_max_size": lifecycle.parse_size,
-            }[key]
-            settings[key] = parse(item, f"{where.origin}: {field_path}")
-        elif key == "store":
-            settings[key] = (root / where.string(item, field_path)).absolute()
-        elif key == "snapshot":
-            settings[key] = where.name(item, field_path, "snapshot name")
-        elif key == "max_output":
-            settings[key] = parse_byte_size(item, f"{where.origin}: {field_path}")
-        else:
-            settings[key] = where.string(item, field_path)
+        if key in SETTING_KEYS:
+            with where.collect():
+                settings[key] = _setting_value(key, item, where, root)
     return settings
+
+
+def _setting_value(key: str, item: object, where: _Where, root: Path) -> Any:
+    """The value of ``settings.KEY``; a ConfigError naming the field when it is not a valid one."""
+    field_path = f"settings.{key}"
+    if key == "pool":
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise where.error(field_path, f"expected a whole number >= 0, got {_shown(item)}")
+        return item
+    if key in ("keep_failed", "pool_prefill"):
+        if not isinstance(item, bool):
+            raise where.error(field_path, f"expected true or false, got {_shown(item)}")
+        return item
+    if key in ("keep_failed_count", "keep_failed_age", "store_max_size"):
+        from pytest_forkd.project import lifecycle
+
+        parse = {
+            "keep_failed_count": lifecycle.parse_count,
+            "keep_failed_age": lifecycle.parse_age,
+            "store_max_size": lifecycle.parse_size,
+        }[key]
+        return parse(item, f"{where.origin}: {field_path}")
+    if key == "store":
+        return (root / where.string(item, field_path)).absolute()
+    if key == "snapshot":
+        return where.name(item, field_path, "snapshot name")
+    if key == "max_output":
+        return parse_byte_size(item, f"{where.origin}: {field_path}")
+    if key == "pull":
+        if item not in PULL_POLICIES:
+            raise where.error(field_path, f"expected one of {', '.join(PULL_POLICIES)}, got {_shown(item)}")
+        return item
+    if key == "insecure_registries":
+        if not isinstance(item, list) or not all(isinstance(host, str) and host for host in item):
+            raise where.error(field_path, f"expected a list of registry hosts (HOST[:PORT]), got {_shown(item)}")
+        return tuple(item)
+    return where.string(item, field_path)
+
+
+def _container_source(source: str, where: _Where, field_path: str, root: Path) -> str:
+    """The canonical text of a container reference in ``from:``; a local path is relative to forkd.yaml."""
+    for prefix in ("oci-archive:", "docker-archive:", "dockerfile:", "oci:"):
+        rest = source[len(prefix) :]
+        if source.startswith(prefix) and rest and not rest.startswith(("/", "~")):
+            source = f"{prefix}{root.absolute()}/{rest}"
+            break
+    try:
+        return str(parse_reference(source, bare=None))
+    except InvalidArgument as exc:
+        raise where.error(field_path, str(exc)) from None
 
 
 def _parse_snapshots(value: object, where: _Where, root: Path) -> dict[str, SnapshotRecipe]:
@@ -323,9 +404,10 @@ def _parse_snapshots(value: object, where: _Where, root: Path) -> dict[str, Snap
     recipes: dict[str, SnapshotRecipe] = {}
     for name, body in section.items():
         field_path = f"snapshots.{name}"
-        where.name(name, field_path, "snapshot name")
-        recipes[name] = _parse_recipe(name, body, where, field_path, root)
-    _check_sources(recipes, where)
+        with where.collect():
+            where.name(name, field_path, "snapshot name")
+            recipes[name] = _parse_recipe(name, body, where, field_path, root)
+    _check_sources(recipes, where, declared={name for name in section if isinstance(name, str)})
     return recipes
 
 
@@ -335,25 +417,37 @@ def _parse_recipe(name: str, body: object, where: _Where, field_path: str, root:
     recipe = where.mapping(body, field_path, "a mapping with keys " + ", ".join(_SNAPSHOT_KEYS))
     where.known_keys(recipe, field_path, _SNAPSHOT_KEYS)
     default_source = IMAGE_PREFIX + DEFAULT_IMAGE if name == BASE_SNAPSHOT else BASE_SNAPSHOT
-    source = where.string(recipe.get("from", default_source), f"{field_path}.from")
-    if source.startswith(IMAGE_PREFIX):
-        where.name(source[len(IMAGE_PREFIX) :], f"{field_path}.from", "image name")
-    else:
-        where.name(source, f"{field_path}.from", "snapshot name (or image:NAME)")
-    memory_mib = recipe.get("memory_mib")
-    vcpus = recipe.get("vcpus")
+    memory_mib, vcpus = recipe.get("memory_mib"), recipe.get("vcpus")
+    # Each field is checked even when another is wrong; a wrong one stands in as its default.
     return SnapshotRecipe(
         name=name,
-        source=source,
-        memory_mib=None if memory_mib is None else where.positive_int(memory_mib, f"{field_path}.memory_mib"),
-        vcpus=None if vcpus is None else where.positive_int(vcpus, f"{field_path}.vcpus"),
-        env=_parse_env(recipe.get("env"), where, f"{field_path}.env"),
-        files=_parse_files(recipe.get("files"), where, f"{field_path}.files", root),
-        setup=_parse_setup(recipe.get("setup"), where, f"{field_path}.setup"),
-        workdir=_parse_workdir(recipe.get("workdir"), where, f"{field_path}.workdir"),
-        shared=_parse_flag(recipe.get("shared", False), where, f"{field_path}.shared"),
-        network=_parse_network(recipe, where, f"{field_path}.network"),
+        source=where.attempt(
+            lambda: _parse_source(recipe.get("from", default_source), where, f"{field_path}.from", root),
+            default_source,
+        ),
+        memory_mib=None
+        if memory_mib is None
+        else where.attempt(lambda: where.positive_int(memory_mib, f"{field_path}.memory_mib"), None),
+        vcpus=None if vcpus is None else where.attempt(lambda: where.positive_int(vcpus, f"{field_path}.vcpus"), None),
+        env=where.attempt(lambda: _parse_env(recipe.get("env"), where, f"{field_path}.env"), {}),
+        files=where.attempt(lambda: _parse_files(recipe.get("files"), where, f"{field_path}.files", root), ()),
+        setup=where.attempt(lambda: _parse_setup(recipe.get("setup"), where, f"{field_path}.setup"), ()),
+        workdir=where.attempt(lambda: _parse_workdir(recipe.get("workdir"), where, f"{field_path}.workdir"), None),
+        shared=where.attempt(lambda: _parse_flag(recipe.get("shared", False), where, f"{field_path}.shared"), False),
+        network=where.attempt(lambda: _parse_network(recipe, where, f"{field_path}.network"), None),
     )
+
+
+def _parse_source(value: object, where: _Where, field_path: str, root: Path) -> str:
+    """``from:``: a snapshot's name, ``image:NAME``, or a container reference (made canonical)."""
+    source = where.string(value, field_path)
+    if source.startswith(IMAGE_PREFIX):
+        where.name(source[len(IMAGE_PREFIX) :], field_path, "image name")
+    elif is_reference(source):
+        source = _container_source(source, where, field_path, root)
+    else:
+        where.name(source, field_path, "snapshot name (or image:NAME)")
+    return source
 
 
 def _parse_network(recipe: Mapping[Any, Any], where: _Where, field_path: str) -> NetworkSpec | None:
@@ -386,35 +480,48 @@ def _parse_images(value: object, where: _Where, root: Path) -> dict[str, Project
     section = where.mapping(value, "images", "a mapping of image name to image description")
     images = {}
     for name, body in section.items():
-        field_path = f"images.{name}"
-        where.name(name, field_path, "image name")
-        if name == DEFAULT_IMAGE:
-            raise where.error(
-                field_path,
-                f"the image name {DEFAULT_IMAGE!r} is the built-in image and cannot be "
-                "redeclared; give yours another name and boot it with `from: image:NAME`",
-            )
-        body = {} if body is None else body
-        spec = where.mapping(body, field_path, "a mapping with keys " + ", ".join(_IMAGE_KEYS))
-        where.known_keys(spec, field_path, _IMAGE_KEYS)
-        recipe_path = None
-        recipe = spec.get("recipe", DEFAULT_IMAGE)
-        recipe_text = where.string(recipe, f"{field_path}.recipe")
-        if recipe_text != DEFAULT_IMAGE:
-            recipe_path = (root / recipe_text).absolute()
-            if not recipe_path.is_file():
-                raise where.error(
-                    f"{field_path}.recipe",
-                    f"no such recipe file {recipe_path} (paths are relative to {root}); or write `recipe: default`",
-                )
-        images[name] = ProjectImage(
-            name=name,
-            recipe=recipe_path,
-            packages=_parse_packages(spec.get("packages"), where, f"{field_path}.packages"),
-            files=_parse_files(spec.get("files"), where, f"{field_path}.files", root, directories=False),
-            setup=_parse_setup(spec.get("setup"), where, f"{field_path}.setup"),
-        )
+        with where.collect():
+            images[name] = _parse_image(name, body, where, root)
     return images
+
+
+def _parse_image(name: str, body: object, where: _Where, root: Path) -> ProjectImage:
+    field_path = f"images.{name}"
+    where.name(name, field_path, "image name")
+    if name == DEFAULT_IMAGE:
+        raise where.error(
+            field_path,
+            f"the image name {DEFAULT_IMAGE!r} is the built-in image and cannot be "
+            "redeclared; give yours another name and boot it with `from: image:NAME`",
+        )
+    body = {} if body is None else body
+    spec = where.mapping(body, field_path, "a mapping with keys " + ", ".join(_IMAGE_KEYS))
+    where.known_keys(spec, field_path, _IMAGE_KEYS)
+    return ProjectImage(
+        name=name,
+        recipe=where.attempt(
+            lambda: _parse_image_recipe(spec.get("recipe", DEFAULT_IMAGE), where, field_path, root), None
+        ),
+        packages=where.attempt(lambda: _parse_packages(spec.get("packages"), where, f"{field_path}.packages"), ()),
+        files=where.attempt(
+            lambda: _parse_files(spec.get("files"), where, f"{field_path}.files", root, directories=False), ()
+        ),
+        setup=where.attempt(lambda: _parse_setup(spec.get("setup"), where, f"{field_path}.setup"), ()),
+    )
+
+
+def _parse_image_recipe(value: object, where: _Where, field_path: str, root: Path) -> Path | None:
+    """``recipe:`` of an image: None for the built-in default, else the recipe file (relative to forkd.yaml)."""
+    recipe_text = where.string(value, f"{field_path}.recipe")
+    if recipe_text == DEFAULT_IMAGE:
+        return None
+    recipe_path = (root / recipe_text).absolute()
+    if not recipe_path.is_file():
+        raise where.error(
+            f"{field_path}.recipe",
+            f"no such recipe file {recipe_path} (paths are relative to {root}); or write `recipe: default`",
+        )
+    return recipe_path
 
 
 def _parse_packages(value: object, where: _Where, field_path: str) -> tuple[str, ...]:
@@ -426,14 +533,15 @@ def _parse_packages(value: object, where: _Where, field_path: str) -> tuple[str,
         raise where.error(field_path, f"expected a list of Debian package names, got {_shown(value)}")
     packages = []
     for index, item in enumerate(value):
-        name = where.string(item, f"{field_path}[{index}]")
-        if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+(:[a-z0-9-]+)?", name):
-            raise where.error(
-                f"{field_path}[{index}]",
-                f"{name!r} is not a Debian package name (lower-case letters, "
-                "digits and + . -, e.g. jq or python3-yaml)",
-            )
-        packages.append(name)
+        with where.collect():
+            name = where.string(item, f"{field_path}[{index}]")
+            if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+(:[a-z0-9-]+)?", name):
+                raise where.error(
+                    f"{field_path}[{index}]",
+                    f"{name!r} is not a Debian package name (lower-case letters, "
+                    "digits and + . -, e.g. jq or python3-yaml)",
+                )
+            packages.append(name)
     return tuple(packages)
 
 
@@ -444,10 +552,12 @@ def _parse_env(value: object, where: _Where, field_path: str) -> dict[str, str]:
     parsed = {}
     for key, item in env.items():
         if not isinstance(key, str) or not key or "=" in key:
-            raise where.error(_join(field_path, key), "expected a variable name without '='")
-        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
-            raise where.error(_join(field_path, key), f"expected a string or number, got {_shown(item)}")
-        parsed[key] = str(item)
+            where.problems.add(str(where.error(_join(field_path, key), "expected a variable name without '='")))
+        elif isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            problem = f"expected a string or number, got {_shown(item)}"
+            where.problems.add(str(where.error(_join(field_path, key), problem)))
+        else:
+            parsed[key] = str(item)
     return parsed
 
 
@@ -465,41 +575,51 @@ def _parse_files(
     files = where.mapping(value, field_path, "a mapping of host path (relative to forkd.yaml) to guest path")
     copies = []
     for host, guest in files.items():
-        item_path = _join(field_path, host)
-        host_path = (root / where.string(host, item_path)).absolute()
-        exclude: tuple[str, ...] = ()
-        if isinstance(guest, Mapping) and directories:
-            unknown = sorted(str(key) for key in guest if key not in ("to", "exclude"))
-            if unknown:
-                raise where.error(_join(item_path, unknown[0]), "unknown key; a copy takes 'to' and 'exclude'")
-            if "to" not in guest:
-                raise where.error(item_path, "missing 'to': the guest path to copy to")
-            raw_exclude = guest.get("exclude") or []
-            if not isinstance(raw_exclude, list):
-                raise where.error(
-                    _join(item_path, "exclude"), f"expected a list of glob patterns, got {_shown(raw_exclude)}"
-                )
-            exclude = tuple(
-                where.string(pattern, f"{_join(item_path, 'exclude')}[{index}]")
-                for index, pattern in enumerate(raw_exclude)
-            )
-            guest = guest["to"]
-            item_path = _join(item_path, "to")
-        if not host_path.exists() and not host_path.is_symlink():
-            raise where.error(item_path, f"no such file or directory {host_path} (host paths are relative to {root})")
-        if host_path.is_dir() and not directories:
-            raise where.error(
-                item_path,
-                f"{host_path} is a directory; an image's files are single files (list them "
-                "one by one), while a snapshot's files: may name whole directories",
-            )
-        if not (host_path.is_dir() or host_path.is_file()):
-            raise where.error(item_path, f"{host_path} is neither a regular file nor a directory")
-        guest_path = where.string(guest, item_path)
-        if not guest_path.startswith("/"):
-            raise where.error(item_path, f"expected an absolute guest path, got {guest_path!r}")
-        copies.append(FileCopy(host_path, guest_path, exclude))
+        with where.collect():
+            copies.append(_parse_copy(host, guest, where, _join(field_path, host), root, directories=directories))
     return tuple(copies)
+
+
+def _parse_copy(
+    host: object, guest: object, where: _Where, item_path: str, root: Path, *, directories: bool
+) -> FileCopy:
+    """One entry of ``files:``: ``host: guest``, or ``host: {to: guest, exclude: [patterns]}`` for a directory."""
+    host_path = (root / where.string(host, item_path)).absolute()
+    exclude: tuple[str, ...] = ()
+    if isinstance(guest, Mapping) and directories:
+        unknown = sorted(str(key) for key in guest if key not in _COPY_KEYS)
+        if unknown:
+            raise where.error(
+                _join(item_path, unknown[0]),
+                f"unknown key; {did_you_mean(unknown[0], _COPY_KEYS)}a copy takes 'to' and 'exclude'",
+            )
+        if "to" not in guest:
+            raise where.error(item_path, "missing 'to': the guest path to copy to")
+        raw_exclude = guest.get("exclude") or []
+        if not isinstance(raw_exclude, list):
+            raise where.error(
+                _join(item_path, "exclude"), f"expected a list of glob patterns, got {_shown(raw_exclude)}"
+            )
+        exclude = tuple(
+            where.string(pattern, f"{_join(item_path, 'exclude')}[{index}]")
+            for index, pattern in enumerate(raw_exclude)
+        )
+        guest = guest["to"]
+        item_path = _join(item_path, "to")
+    if not host_path.exists() and not host_path.is_symlink():
+        raise where.error(item_path, f"no such file or directory {host_path} (host paths are relative to {root})")
+    if host_path.is_dir() and not directories:
+        raise where.error(
+            item_path,
+            f"{host_path} is a directory; an image's files are single files (list them "
+            "one by one), while a snapshot's files: may name whole directories",
+        )
+    if not (host_path.is_dir() or host_path.is_file()):
+        raise where.error(item_path, f"{host_path} is neither a regular file nor a directory")
+    guest_path = where.string(guest, item_path)
+    if not guest_path.startswith("/"):
+        raise where.error(item_path, f"expected an absolute guest path, got {guest_path!r}")
+    return FileCopy(host_path, guest_path, exclude)
 
 
 def _parse_setup(value: object, where: _Where, field_path: str) -> tuple[str, ...]:
@@ -510,22 +630,32 @@ def _parse_setup(value: object, where: _Where, field_path: str) -> tuple[str, ..
     return tuple(where.string(command, f"{field_path}[{index}]") for index, command in enumerate(value))
 
 
-def _check_sources(recipes: Mapping[str, SnapshotRecipe], where: _Where) -> None:
-    """Every ``from`` names a known snapshot, and no chain of ``from`` loops."""
-    known = [BASE_SNAPSHOT, *sorted(name for name in recipes if name != BASE_SNAPSHOT)]
+def _check_sources(recipes: Mapping[str, SnapshotRecipe], where: _Where, *, declared: set[str]) -> None:
+    """Every ``from`` names a declared snapshot, and no chain of ``from`` loops (each loop reported once).
+
+    ``declared`` holds every name under ``snapshots:``, those with mistakes of their own too, so that
+    a snapshot starting from one of them is not reported as well.
+    """
+    known = [BASE_SNAPSHOT, *sorted(name for name in declared if name != BASE_SNAPSHOT)]
     for recipe in recipes.values():
         if recipe.source_image is None and recipe.source not in known:
-            raise where.error(
-                f"snapshots.{recipe.name}.from",
-                f"unknown snapshot {recipe.source!r}; declared snapshots: {', '.join(known)} "
-                "(or use image:NAME to boot a guest image)",
+            problem = (
+                f"unknown snapshot {recipe.source!r}; {did_you_mean(recipe.source, known)}declared snapshots: "
+                f"{', '.join(known)} (or use image:NAME to boot a guest image)"
             )
+            where.problems.add(str(where.error(f"snapshots.{recipe.name}.from", problem)))
+    reported: set[frozenset[str]] = set()
     for recipe in recipes.values():
         chain = [recipe.name]
         current = recipe
         while current.source in recipes:
             if current.source in chain:
-                loop = " -> ".join([*chain[chain.index(current.source) :], current.source])
-                raise where.error(f"snapshots.{recipe.name}.from", f"snapshots start from each other in a loop: {loop}")
+                members = chain[chain.index(current.source) :]
+                if frozenset(members) not in reported:
+                    reported.add(frozenset(members))
+                    loop = " -> ".join([*members, current.source])
+                    problem = f"snapshots start from each other in a loop: {loop}"
+                    where.problems.add(str(where.error(f"snapshots.{recipe.name}.from", problem)))
+                break
             chain.append(current.source)
             current = recipes[current.source]

@@ -12,6 +12,7 @@ parent at all (its children come straight from the selected snapshot).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +66,9 @@ class ForkdSession:
         gives a fresh runtime that records there (the form of earlier versions)."""
         if runtime is not None and recorder is not None and runtime.recorder is not recorder:
             raise ValueError("pass either runtime= or recorder= (the runtime's recorder), not both")
+        if settings.image is not None:
+            project, name = project.with_image_snapshot(settings.image)
+            settings = dataclasses.replace(settings, snapshot=name)
         self.settings = settings
         self.project = project
         self.runtime = runtime if runtime is not None else Runtime(recorder=recorder)
@@ -105,12 +109,15 @@ class ForkdSession:
         config: Path | str | None = None,
         pool: int | None = None,
         progress: Callable[[str], None] | None = None,
+        image: str | None = None,
     ) -> ForkdSession:
         """A session outside pytest, for the sandbox providers of agent frameworks and for scripts.
 
         ``config`` names a forkd.yaml (its ``settings:`` apply as in a pytest
         run, and its snapshots can be named); ``snapshot`` overrides the one
-        it selects (default: the built-in ``base``). ``PYTEST_FORKD_*``
+        it selects (default: the built-in ``base``); ``image`` (a container
+        reference, bare means docker://) runs it on a snapshot of that image
+        instead. ``PYTEST_FORKD_*``
         variables apply as they do under pytest. Raises ConfigError for a
         missing or malformed file or an unknown snapshot name, before anything
         boots. Close it (or use it as a context manager) to kill its VMs.
@@ -126,7 +133,7 @@ class ForkdSession:
 
             raise ConfigError(f"{path}: no such forkd.yaml; fix the path or leave the config out to use 'base'")
         project = load_project(path) if path is not None else EMPTY_PROJECT
-        cli: dict[str, object] = {"snapshot": snapshot, "pool": None if pool is None else str(pool)}
+        cli: dict[str, object] = {"snapshot": snapshot, "pool": None if pool is None else str(pool), "image": image}
         runtime = Runtime()
         settings = resolve(
             cli=cli,
@@ -140,7 +147,7 @@ class ForkdSession:
             project_origin=path.name if path is not None else "forkd.yaml",
         )
         session = cls(settings, project, runtime=runtime, progress=progress)
-        session.check_snapshot_name(settings.snapshot)
+        session.check_snapshot_name(session.settings.snapshot)
         return session
 
     def check_snapshot_name(self, name: str) -> None:
@@ -196,6 +203,7 @@ class ForkdSession:
                     progress=self.progress,
                     shared_store=self.shared_store,
                     max_store_bytes=self.settings.store_max_size,
+                    pull_policy=self.settings.pull,
                 )
             return self._builder
 

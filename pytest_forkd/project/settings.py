@@ -23,7 +23,7 @@ from typing import Any, Final, Literal
 
 import pytest
 
-from pytest_forkd.errors import ConfigError
+from pytest_forkd.errors import ConfigError, InvalidArgument
 from pytest_forkd.guest.wire import DEFAULT_MAX_OUTPUT
 from pytest_forkd.paths import BASE_SNAPSHOT, PROJECT_FILE, validate_tag
 from pytest_forkd.sizes import parse_byte_size
@@ -52,6 +52,22 @@ def _snapshot_name(value: str, where: str) -> str:
         return validate_tag(value)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _image_reference(value: str, where: str) -> str:
+    """A container image reference, canonical; a bare one means docker:// (``python:3.12-slim``)."""
+    from pytest_forkd.image.oci.reference import parse_reference
+
+    try:
+        return str(parse_reference(value))
+    except InvalidArgument as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _pull_policy(value: str, where: str) -> str:
+    if value not in ("missing", "always", "never"):
+        raise ConfigError(f"{where}: expected missing, always or never, got {value!r}")
+    return value
 
 
 def _accel(value: str, where: str) -> str:
@@ -140,6 +156,23 @@ OPTIONS: Final = (
         BASE_SNAPSHOT,
         _snapshot_name,
         metavar="NAME",
+    ),
+    Option(
+        "image",
+        "container image the session's parent boots (a snapshot of it, built once): docker://REF or a bare "
+        "NAME[:TAG] (Docker Hub, or REGISTRY/NAME), oci:DIR[:TAG], oci-archive:FILE, docker-archive:FILE, "
+        "dockerfile:PATH",
+        None,
+        _image_reference,
+        metavar="REF",
+    ),
+    Option(
+        "pull",
+        "when container images are pulled: missing (a reference pulled before is used from the cache, "
+        "offline), always (ask the registry every run) or never (default: missing)",
+        "missing",
+        _pull_policy,
+        metavar="missing|always|never",
     ),
     Option(
         "backend",
@@ -267,6 +300,10 @@ class Settings:
     """The resolved forkd settings of one pytest run."""
 
     snapshot: str = BASE_SNAPSHOT
+    image: str | None = None
+    """A container image reference: the session's parent is a snapshot of it (``--forkd-image``)."""
+    pull: str = "missing"
+    """When container images are pulled again: missing, always or never."""
     backend: str = "diff"
     config: Path | None = None
     """The project file that was read, or None."""
@@ -371,6 +408,11 @@ def resolve(
         values[option.name], sources[option.name] = value, source
     if sources["backend"] != "default":
         check_backend(values["backend"], backends(), sources["backend"])
+    if values["image"] is not None and sources["snapshot"] != "default":
+        raise ConfigError(
+            f"{sources['image']} and {sources['snapshot']} both name what the session starts from; give one "
+            "(a snapshot in forkd.yaml can start from an image: `from: docker://...`)"
+        )
     return Settings(**values, sources=sources)
 
 

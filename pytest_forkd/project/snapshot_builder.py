@@ -40,7 +40,8 @@ from pytest_forkd.engine.memory import copy_sparse
 from pytest_forkd.engine.network import NetworkSpec
 from pytest_forkd.errors import ConfigError, DamagedSnapshot, InvalidArgument, SnapshotError
 from pytest_forkd.guest.exec_result import ExecResult
-from pytest_forkd.image import Image, ensure_image
+from pytest_forkd.image import Image, ensure_container_image, ensure_image
+from pytest_forkd.image.oci.reference import is_reference
 from pytest_forkd.paths import validate_tag
 from pytest_forkd.project import lifecycle
 from pytest_forkd.project.config import BASE_SNAPSHOT, IMAGE_PREFIX, Project, SnapshotRecipe
@@ -98,8 +99,11 @@ class SnapshotBuilder:
         progress: Callable[[str], None] | None = None,
         shared_store: SnapshotStore | None = None,
         max_store_bytes: int | None = None,
+        pull_policy: str | None = None,
     ) -> None:
         self.factory = factory
+        self.pull_policy = pull_policy
+        """Container images: ``--forkd-pull``'s policy over forkd.yaml's ``settings.pull`` (None: the setting)."""
         self.store = store
         """The project's own snapshots (its namespace; see :mod:`pytest_forkd.project.lifecycle`)."""
         self.shared_store = shared_store or store
@@ -164,6 +168,13 @@ class SnapshotBuilder:
                     from pytest_forkd.project.images import ensure_project_image
 
                     image = ensure_project_image(declared, progress=self.progress, origin=self.project.origin)
+                elif is_reference(name):
+                    image = ensure_container_image(
+                        name,
+                        policy=self.pull_policy or self.project.settings.get("pull", "missing"),
+                        insecure_registries=self.project.settings.get("insecure_registries", ()),
+                        progress=lambda line, name=name: self.progress(f"forkd: image {name!r}: {line}"),
+                    )
                 else:
                     image = ensure_image(name, progress=self.progress)
             self._images[name] = image
@@ -499,7 +510,7 @@ def check_images(project: Project, names: Iterable[str]) -> None:
             if image is None:
                 current = recipe.source
                 continue
-            if image != DEFAULT_IMAGE and image not in project.images:
+            if image != DEFAULT_IMAGE and image not in project.images and not is_reference(image):
                 built = image_names() if built is None else built
                 if image not in built:
                     declared = ", ".join(sorted(project.images)) or "none"

@@ -186,7 +186,7 @@ def test_a_manifest_naming_another_qemu_version_is_refused(
         text=True,
         env={**os.environ},
     )
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "QEMU 10.0.2" in result.stderr
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "QEMU 10.0.2" in result.stderr
     assert not (fresh_cache / "snapshots" / "itest-export").exists()
     assert not any((fresh_cache / "images").glob("*/vmlinuz")) if (fresh_cache / "images").exists() else True
 
@@ -254,7 +254,7 @@ def test_the_cli_exports_and_imports(
     )
 
     assert imported.returncode == 0, imported.stderr
-    assert again.returncode == 2 and "already exists" in again.stderr and "--replace" in again.stderr
+    assert again.returncode == 1 and "already exists" in again.stderr and "--replace" in again.stderr
     assert exported_again.returncode == 0, exported_again.stderr
     assert "exported 'itest-export'" in exported_again.stdout
 

@@ -127,7 +127,7 @@ def test_bench_parts_report_pauses_memory_and_guest_speed(tmp_path: Path) -> Non
 
 def test_bench_refuses_unknown_parts_before_starting_anything() -> None:
     result = run_forkd("bench", "--parts", "core,warp")
-    assert result.returncode == 2
+    assert result.returncode == 4
     assert "unknown bench part(s) warp" in result.stderr and "core, uffd, diff, memory, speed" in result.stderr
 
 

@@ -24,9 +24,40 @@ from pytest_forkd.integrations.openai_agents import ForkdSandboxClient, ForkdSan
 def test_options_round_trip_through_the_sdk_registry(tmp_path: Path) -> None:
     options = ForkdSandboxClientOptions("tools", tmp_path / "forkd.yaml", pool=2)
     payload = options.model_dump(mode="json")
-    assert payload == {"type": "forkd", "snapshot": "tools", "config": str(tmp_path / "forkd.yaml"), "pool": 2}
+    assert payload == {
+        "type": "forkd",
+        "snapshot": "tools",
+        "config": str(tmp_path / "forkd.yaml"),
+        "pool": 2,
+        "image": None,
+        "network_mode": None,
+    }
     assert BaseSandboxClientOptions.parse(payload) == options
     assert ForkdSandboxClientOptions().snapshot == "base"
+
+
+def test_image_options_take_any_reference_and_round_trip() -> None:
+    options = ForkdSandboxClientOptions(image="127.0.0.1:5000/project:1", pool=2)
+    assert options.image == "docker://127.0.0.1:5000/project:1"  # a bare reference, read as Docker reads it
+    assert BaseSandboxClientOptions.parse(options.model_dump(mode="json")) == options
+    assert options.guest is not None and options.guest.network == "outbound"  # a container's default network
+    closed = ForkdSandboxClientOptions(image="python:3.12-slim", network_mode="none")
+    assert closed.image == "docker://docker.io/library/python:3.12-slim" and closed.guest is not None
+    assert closed.guest.network == "none"
+    assert ForkdSandboxClientOptions().guest is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ({"image": "Not/A Reference"}, "ForkdSandboxClientOptions image: invalid image reference"),
+        ({"image": "python:3.12", "snapshot": "tools"}, "give image= or snapshot=/config=, not both"),
+    ],
+)
+def test_bad_image_options_fail_in_one_line_before_anything_boots(arguments: dict[str, str], says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ForkdSandboxClientOptions(**arguments)  # type: ignore[arg-type]
+    assert says in str(caught.value) and "\n" not in str(caught.value)
 
 
 @pytest.mark.asyncio

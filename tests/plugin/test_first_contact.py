@@ -188,3 +188,28 @@ def test_an_unknown_snapshot_behind_a_marker_is_one_usage_line(pytester, run_for
     pytester.makepyfile("import pytest\n\n@pytest.mark.forkd(snapshot='nosuch')\ndef test_x(forkd_vm):\n    pass\n")
     result = run_forkd(store=tmp_path)
     assert_one_usage_line(result, r"unknown snapshot 'nosuch'", r"Declare 'nosuch' under `snapshots:`")
+
+
+def test_help_groups_the_options_by_purpose(pytester, run_forkd):
+    """``pytest --help`` shows the forkd options in three groups, each setting with its ini key and env name."""
+    result = run_forkd("--help")
+    assert result.ret == 0
+    text = "\n".join(result.outlines)
+    headings = ["pytest-forkd: VMs and snapshots:", "pytest-forkd: timings, budgets and baselines:"]
+    headings.append("pytest-forkd: reports:")
+    starts = [text.index(heading) for heading in headings]
+    assert starts == sorted(starts)
+    sections = [text[start:end] for start, end in zip(starts, [*starts[1:], len(text)])]
+    sections[-1] = sections[-1].split("\n\n")[0]  # the reports group ends where pytest's next section begins
+    members = {
+        0: ["--forkd-snapshot", "--forkd-pool", "--forkd-keep-failed", "--forkd-store-max-size"],
+        1: ["--forkd-budget", "--forkd-save", "--forkd-compare", "--forkd-compare-fail", "--forkd-compare-strict"],
+        2: ["--forkd-json", "--forkd-report", "--forkd-transcript"],
+    }
+    for index, flags in members.items():
+        for flag in flags:
+            found = [
+                number for number, section in enumerate(sections) if re.search(rf"^  {flag}(?![\w-])", section, re.M)
+            ]
+            assert found == [index], (flag, found)
+    assert re.search(r"Also\s+ini\s+forkd_snapshot,\s+env\s+PYTEST_FORKD_SNAPSHOT", sections[0])

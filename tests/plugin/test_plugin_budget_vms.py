@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -40,18 +41,28 @@ def test_after(forkd_vm):
 
 
 @pytest.mark.parametrize("xdist", [(), ("-p", "xdist", "-n", "2")], ids=["serial", "xdist"])
-def test_a_test_that_breaks_its_budget_fails_by_itself(pytester, run_forkd, tmp_path, xdist):
+def test_a_test_that_breaks_its_budget_fails_by_itself(pytester, run_forkd, tmp_path, xdist, monkeypatch):
     pytester.makepyfile(test_neighbours=NEIGHBOURS)
     report = tmp_path / "report.json"
     transcripts = tmp_path / "transcripts"
+    monkeypatch.setenv("COLUMNS", "160")  # room for the short summary's whole first line
+    for variable in ("CI", "BUILD_NUMBER"):  # on CI pytest prints every line of the message, not only the first
+        monkeypatch.delenv(variable, raising=False)
     result = run_forkd("-rf", f"--forkd-json={report}", f"--forkd-transcript={transcripts}", *xdist)
     result.assert_outcomes(passed=4, failed=2)
     failed = sorted(line.split()[1] for line in result.outlines if line.startswith("FAILED "))
     assert failed == ["test_neighbours.py::test_breaks_its_budget", "test_neighbours.py::test_fixture_budget"]
+    summary = {line.split()[1]: line for line in result.outlines if line.startswith("FAILED ")}
+    assert re.fullmatch(  # the -rf line names the operation, the figure measured and the limit
+        r"FAILED test_neighbours\.py::test_breaks_its_budget - forkd_budget exceeded: exec max [0-9.]+ ms > 0\.001 ms",
+        summary["test_neighbours.py::test_breaks_its_budget"],
+    )
+    assert summary["test_neighbours.py::test_fixture_budget"].endswith(" ms > 0.001 ms")
+    assert " - forkd_budget exceeded: fork max " in summary["test_neighbours.py::test_fixture_budget"]
     result.stdout.fnmatch_lines(
         [
             "*_ test_breaks_its_budget _*",
-            "forkd_budget exceeded (1 limit):",
+            "forkd_budget exceeded: exec max * ms > 0.001 ms",
             "  exec: max * ms > budget 0.001 ms (n=1; exec_ms=0.001, marker on test_neighbours.py::test_breaks_its_budget)",
         ]
     )

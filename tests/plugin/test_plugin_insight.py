@@ -127,7 +127,7 @@ def test_transcripts_in_reports_files_and_junit(pytester, run_forkd, tmp_path):
     old = tmp_path / "old.jsonl"
     old.write_text(json.dumps({**transcript.header, "version": 0}) + "\n")
     refused = subprocess.run([FORKD, "bisect", str(old), "--check", "true"], capture_output=True, text=True)
-    assert refused.returncode == 2 and "version 0 transcript" in refused.stderr
+    assert refused.returncode == 1 and "version 0 transcript" in refused.stderr
 
 
 def test_pytest_html_gets_the_transcript_as_an_extra(pytester, run_forkd, tmp_path):

@@ -1,4 +1,5 @@
-"""The command line's error boundary: one line, exit status 2, the traceback only with --debug."""
+"""The command line's error boundary: one line, exit status 4 (bad input), 1 (a failure) or 2 (a bug),
+the traceback only with --debug."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_forkd import cli
-from pytest_forkd.errors import GuestCrashed, SnapshotError
+from pytest_forkd.errors import ConfigError, GuestCrashed, SnapshotError
 
 
 def fake_command(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
@@ -41,28 +42,31 @@ def fake_command(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
 
 
 @pytest.mark.parametrize(
-    ("error", "expected"),
+    ("error", "expected", "status"),
     [
-        (SnapshotError("snapshot 'x' is damaged; remove it"), "forkd: error: snapshot 'x' is damaged; remove it"),
+        (SnapshotError("snapshot 'x' is damaged; remove it"), "forkd: error: snapshot 'x' is damaged; remove it", 1),
+        (ConfigError("forkd.yaml: snapshots: expected a mapping"), "forkd: error: forkd.yaml: snapshots:", 4),
         (
             RuntimeError("kaput"),
             "forkd: error: unexpected RuntimeError: kaput; rerun with --debug for the "
             "traceback, and please report it as a pytest-forkd bug",
+            2,
         ),
         (
             PermissionError(13, "Permission denied", "/srv/store"),
             "forkd: error: Permission denied: /srv/store; check that the path exists and that you may use it "
             "(traceback with --debug)",
+            1,
         ),
-        (ValueError("Expecting value: line 1 column 1 (char 0)"), "forkd: error: unexpected ValueError"),
+        (ValueError("Expecting value: line 1 column 1 (char 0)"), "forkd: error: unexpected ValueError", 2),
     ],
 )
-def test_any_error_is_one_line_and_exit_status_2(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: Exception, expected: str
+def test_any_error_is_one_line_with_the_exit_status_of_its_kind(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: Exception, expected: str, status: int
 ) -> None:
     fake_command(monkeypatch, error)
 
-    assert cli.main(["boom"]) == 2
+    assert cli.main(["boom"]) == status
 
     err = capsys.readouterr().err
     assert err.startswith(expected)
@@ -74,7 +78,7 @@ def test_a_multi_line_error_keeps_its_first_line_and_says_where_the_rest_is(
 ) -> None:
     fake_command(monkeypatch, GuestCrashed("VM vm1: guest died", console_tail="line 1\nline 2"))
 
-    assert cli.main(["boom"]) == 2
+    assert cli.main(["boom"]) == 1
 
     err = capsys.readouterr().err
     assert err == "forkd: error: VM vm1: guest died (3 more lines of detail with --debug)\n"
@@ -86,7 +90,7 @@ def test_debug_prints_the_traceback_and_the_whole_message(
 ) -> None:
     fake_command(monkeypatch, GuestCrashed("VM vm1: guest died", console_tail="Kernel panic"))
 
-    assert cli.main(argv) == 2
+    assert cli.main(argv) == 1
 
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "raise error" in err
@@ -105,12 +109,12 @@ def test_forkd_debug_environment_variable(monkeypatch: pytest.MonkeyPatch, capsy
     fake_command(monkeypatch, SnapshotError("bad"))
     monkeypatch.setenv(cli.DEBUG_ENV, "1")
 
-    assert cli.main(["boom"]) == 2
+    assert cli.main(["boom"]) == 1
     assert "Traceback" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # runs the installed command
-def test_the_installed_command_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+def test_the_installed_command_prints_one_line_and_exits_1(tmp_path: Path) -> None:
     """Through the real entry point, in a subprocess: a damaged store and an unknown snapshot."""
     env = {**os.environ, "FORKD_STORE": str(tmp_path / "store")}
     env.pop(cli.DEBUG_ENV, None)
@@ -119,7 +123,7 @@ def test_the_installed_command_prints_one_line_and_exits_2(tmp_path: Path) -> No
     plain = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
     debug = subprocess.run([*argv, "--debug"], capture_output=True, text=True, env=env, timeout=60)
 
-    assert plain.returncode == 2 and debug.returncode == 2
+    assert plain.returncode == 1 and debug.returncode == 1
     assert plain.stderr.count("\n") == 1 and plain.stderr.startswith("forkd: error: unknown snapshot 'nope'")
     assert "Traceback" in debug.stderr and debug.stderr.rstrip().endswith(plain.stderr.rstrip())
 

@@ -77,7 +77,7 @@ def test_different_conditions_are_warned_about_on_stderr(tmp_path, capsys):
 def test_invalid_json_is_a_clear_error(runs, tmp_path, capsys):
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    assert main(["compare", str(runs["base"]), str(broken)]) == 2
+    assert main(["compare", str(runs["base"]), str(broken)]) == 4
     err = capsys.readouterr().err
     assert err.startswith(f"forkd: error: {broken}: not a forkd benchmark run: invalid JSON")
 
@@ -85,23 +85,23 @@ def test_invalid_json_is_a_clear_error(runs, tmp_path, capsys):
 def test_a_json_file_that_is_not_a_run_is_a_clear_error(runs, tmp_path, capsys):
     other = tmp_path / "package.json"
     other.write_text('{"name": "x"}')
-    assert main(["compare", str(other), str(runs["base"])]) == 2
+    assert main(["compare", str(other), str(runs["base"])]) == 4
     assert "unsupported benchmark run version None" in capsys.readouterr().err
 
 
 def test_a_missing_file_is_a_clear_error(runs, tmp_path, capsys):
-    assert main(["compare", str(tmp_path / "nope.json"), str(runs["base"])]) == 2
+    assert main(["compare", str(tmp_path / "nope.json"), str(runs["base"])]) == 4
     err = capsys.readouterr().err
     assert "forkd: error: cannot read benchmark run" in err and "No such file or directory" in err
 
 
 def test_a_malformed_fail_expression_is_a_clear_error(runs, capsys):
-    assert main(["compare", str(runs["base"]), str(runs["same"]), "--fail", "p95>20%"]) == 2
+    assert main(["compare", str(runs["base"]), str(runs["same"]), "--fail", "p95>20%"]) == 4
     assert "invalid compare-fail expression 'p95>20%'" in capsys.readouterr().err
 
 
 def test_min_samples_must_allow_a_test(runs, capsys):
     with pytest.raises(SystemExit) as excinfo:
         main(["compare", str(runs["base"]), str(runs["same"]), "--min-samples", "1"])
-    assert excinfo.value.code == 2
+    assert excinfo.value.code == 4
     assert "need at least 2 samples" in capsys.readouterr().err

@@ -105,11 +105,11 @@ def test_every_registered_option_appears_in_the_options_reference(options_page: 
     """Run options registered by the plugin but not in the settings table are generated too."""
     from _pytest.config.argparsing import Parser
 
-    from pytest_forkd.plugin.options import pytest_addoption
+    from pytest_forkd.plugin.options import HELP_GROUPS, pytest_addoption
 
     parser = Parser(_ispytest=True)
     pytest_addoption(parser)
-    flags = [name for option in parser.getgroup("forkd").options for name in option.names()]
+    flags = [name for group in HELP_GROUPS for option in parser.getgroup(group.name).options for name in option.names()]
     assert "--forkd-budget" in flags
     for flag in flags:
         assert f"`{flag}" in options_page, f"{flag} missing from the generated options page"

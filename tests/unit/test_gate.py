@@ -12,6 +12,7 @@ from pytest_forkd.errors import ConfigError, ForkdError, IncomparableRuns, Inval
 from pytest_forkd.latency import timings
 from pytest_forkd.latency.budgets import (
     MARKER_HELP,
+    Budget,
     Violation,
     budget_from_cli,
     budgets_from_config,
@@ -80,8 +81,34 @@ def test_a_budget_on_an_unknown_operation_is_a_forkd_error_naming_the_key(kind):
 def test_the_failure_message_names_the_operation_and_the_figure():
     (budget,) = budgets_from_marker("t.py::test_x", (), {"exec_ms": 0.001})
     message = violation_report([Violation(budget, 3.25, 4)])
-    assert message.splitlines()[0] == "forkd_budget exceeded (1 limit):"
+    assert message.splitlines()[0] == "forkd_budget exceeded: exec max 3.25 ms > 0.001 ms"
     assert "exec: max 3.250 ms > budget 0.001 ms (n=4; exec_ms=0.001, marker on t.py::test_x)" in message
+
+
+def test_the_first_line_names_the_first_limit_exceeded_and_counts_the_others():
+    """pytest's short summary (-rf) shows only the first line: it must name the operation and both figures."""
+    budgets = budgets_from_marker("t.py::test_x", (), {"exec_ms": 1, "fork_ms": 2})
+    message = violation_report([Violation(budgets[0], 31.94, 3), Violation(budgets[1], 40.0, 1)])
+    lines = message.splitlines()
+    assert lines[0] == "forkd_budget exceeded: exec max 31.9 ms > 1 ms (and 1 more)"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["exec", "fork"]
+
+
+@pytest.mark.parametrize(
+    ("measured", "limit", "shown"),
+    [(7.0, 6, "7"), (6.0004, 6, "6.0004"), (1234.4, 1000, "1234"), (0.0532, 0.001, "0.0532")],
+)
+def test_the_first_line_shows_the_figure_over_its_limit(measured, limit, shown):
+    (budget,) = budgets_from_marker("t.py::test_x", (), {"exec_ms": limit})
+    first = violation_report([Violation(budget, measured, 1)]).splitlines()[0]
+    assert first == f"forkd_budget exceeded: exec max {shown} ms > {limit:g} ms"
+
+
+def test_a_backend_budget_names_its_backend_in_the_first_line():
+    budget = Budget("fork", "p95", 10.0, backend="diff", source="forkd.yaml budgets.fork.backends.diff.p95_ms")
+    assert violation_report([Violation(budget, 12.0, 5)]).startswith(
+        "forkd_budget exceeded: fork [diff] p95 12 ms > 10 ms\n"
+    )
 
 
 # --- noise -----------------------------------------------------------------------------------

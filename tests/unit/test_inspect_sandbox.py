@@ -30,7 +30,7 @@ from inspect_ai.dataset import Sample  # noqa: E402
 from inspect_ai.util import OutputLimitExceededError, SandboxUserUnsupportedError  # noqa: E402
 from inspect_ai.util._sandbox.limits import override_max_exec_output_size  # noqa: E402
 
-from pytest_forkd.errors import ConfigError  # noqa: E402
+from pytest_forkd.errors import AgentError, ConfigError, InvalidArgument  # noqa: E402
 from pytest_forkd.guest.client import GuestOSError  # noqa: E402
 from pytest_forkd.guest.exec_result import ExecResult  # noqa: E402
 from pytest_forkd.integrations import inspect_support as support  # noqa: E402
@@ -90,7 +90,16 @@ def test_configs_as_inspect_passes_them() -> None:
     model = support.ForkdSandboxConfig(config="x/forkd.yaml", snapshot="tools")
     assert support.parse_config(model) is model
     assert ForkdSandboxEnvironment.config_deserialize(model.model_dump()) == model
-    assert ForkdSandboxEnvironment.config_files() == ["forkd.yaml"]
+    # forkd.yaml first, then Docker's files: Inspect then carries a task's compose.yaml or Dockerfile over to forkd.
+    assert ForkdSandboxEnvironment.config_files() == [
+        "forkd.yaml",
+        "compose.yaml",
+        "compose.yml",
+        "docker-compose.yaml",
+        "docker-compose.yml",
+        "Dockerfile",
+    ]
+    assert ForkdSandboxEnvironment.is_docker_compatible()
     assert support.config_path(model, Path("/tasks")) == Path("/tasks/x/forkd.yaml")
     assert support.config_path(support.ForkdSandboxConfig(config="/abs/forkd.yaml"), Path("/t")) == Path(
         "/abs/forkd.yaml"
@@ -239,18 +248,20 @@ def test_a_non_executable_program_is_a_permission_error_but_a_missing_one_is_a_r
     assert support.launch_error(["sh"], result(126, stderr=b"sh: ./x: Permission denied\n")) is None
 
 
-def test_users_other_than_root_run_through_su_and_an_unknown_one_is_unsupported() -> None:
+def test_users_are_the_guest_agents_and_an_unknown_one_is_unsupported() -> None:
     assert support.is_root(None) and support.is_root("root") and support.is_root("0")
-    argv = support.as_user("agent", ["printf", "%s|", "a b"])
-    assert argv[:2] == ["/bin/sh", "-c"] and argv[-4:] == ["agent", "printf", "%s|", "a b"]
-    assert 'exec "$su" -s /bin/sh "$user"' in argv[2] and "/usr/bin/su" in argv[2] and "PATH" not in argv[2]
-    missing = support.user_error("bob", result(127, stderr=b"su: not found (no su in the guest)\n"))
-    assert isinstance(missing, SandboxUserUnsupportedError) and "no su" in str(missing)
-    # The user's own command that is missing (even one named like su) is its result.
-    assert support.user_error("bob", result(127, stderr=b"sh: exec: line 0: sudo: not found\n")) is None
-    unknown = support.user_error("bob", result(1, stderr=b"su: unknown user bob\n"))
+    assert (
+        support.guest_user("root") == "0"
+        and support.guest_user("agent") == "agent"
+        and support.guest_user(None) is None
+    )
+    unknown = support.user_error(
+        "bob", AgentError("exec in the guest failed: unable to find user bob: no matching entries in /etc/passwd")
+    )
     assert isinstance(unknown, SandboxUserUnsupportedError) and "'bob'" in str(unknown)
-    assert support.user_error("bob", result(1, stderr=b"grep found nothing\n")) is None
+    malformed = support.user_error("a b", InvalidArgument("user must be 'NAME', 'UID', ... got 'a b'"))
+    assert isinstance(malformed, SandboxUserUnsupportedError)
+    assert support.user_error("bob", AgentError("exec in the guest failed: the agent is busy")) is None
 
 
 @pytest.mark.parametrize(

@@ -199,9 +199,42 @@ def test_rm_of_an_unknown_tag_exits_2(store: SnapshotStore, capsys: pytest.Captu
     assert "available: none yet" in capsys.readouterr().err
 
 
-def test_an_action_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "words",
+    [
+        ("snapshots",),
+        ("snapshots", "list"),
+        ("snapshots", "--store", "STORE"),
+        ("snapshots", "list", "--store", "STORE"),
+    ],
+)
+def test_no_action_or_list_lists_as_ls_does(
+    store: SnapshotStore, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, words: tuple[str, ...]
+) -> None:
+    monkeypatch.setenv("FORKD_STORE", str(store.root))
+    publish(store, "root")
+    assert run("snapshots", "ls", "--store", str(store.root)) == 0
+    listed = capsys.readouterr().out
+
+    assert run(*(str(store.root) if word == "STORE" else word for word in words)) == 0
+
+    assert capsys.readouterr().out == listed
+    assert "root" in listed
+
+
+def test_a_misspelt_action_is_refused_with_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        run("snapshots")
+        run("snapshots", "lst")
 
     assert exited.value.code == 2
-    assert "ACTION" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "invalid choice: 'lst'" in err and "'ls', 'list'" in err
+
+
+def test_help_names_the_default_action_and_its_alias(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run("snapshots", "--help")
+
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "ls (list)" in out and "(the default)" in out

@@ -24,10 +24,11 @@ def figure(values: list[float]) -> dict[str, float]:
     return {key: summary[key] for key in FIGURE_KEYS}
 
 
-PARTS: tuple[str, ...] = ("core", "uffd", "diff", "memory", "speed", "cpu")
+PARTS: tuple[str, ...] = ("core", "uffd", "diff", "memory", "speed", "cpu", "images")
 """core: boots, forks, execs, changes, branch table; uffd: live pause vs memory; diff: pause over
 successive branches; memory: PSS of idle children and a parent; speed: guest Python vs host;
-cpu: QEMU CPU per child by phase, TCG translation work and the first-command tax."""
+cpu: QEMU CPU per child by phase, TCG translation work and the first-command tax; images: children
+of a large and a tiny container image, and QEMU CPU of a busybox image's child against the default's."""
 
 
 @dataclass
@@ -60,6 +61,8 @@ class BenchPlan:
     """Idle children whose PSS gives ``child_pss_mib``."""
     cpu_children: int = 12
     """Serial ``fork(1)`` children whose QEMU CPU per phase gives ``cpu_per_child_ms``."""
+    image_mib: int = 1024
+    """Size of the large container image of the ``images`` part."""
 
 
 def _ms(since: float) -> float:

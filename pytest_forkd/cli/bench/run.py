@@ -23,6 +23,7 @@ from .guest_io import (
     exec_output_mib_s,
     spawn_first_line_ms,
 )
+from .images import measure_images
 from .pauses import UFFD_SAMPLES, measure_diff_series, measure_uffd_pause
 from .pss import measure_memory
 from .speed import measure_guest_speed
@@ -75,6 +76,8 @@ def _run_parts(factory: VMFactory, plan: BenchPlan, progress: Callable[[str], No
                 result.update(measure_child_cpu(factory, base, progress, children=plan.cpu_children))
         finally:
             SnapshotStore(base.path.parent).remove(base.tag, cascade=True)
+    if "images" in plan.parts:
+        result.update(measure_images(factory, plan.repeats, progress, large_mib=plan.image_mib))
     if "core" not in plan.parts:
         result["conditions"] = _conditions(factory, plan, factory.accel_verdict(ensure_image("default")))
     result.setdefault("conditions", {})["parts"] = list(plan.parts)

@@ -121,6 +121,7 @@ class QemuEngine:
             vcpus=vcpus,
             kernel_args=tuple(image.kernel_args),
             network_card=network_card,
+            disk=getattr(image, "disk", None),
         )
 
     def fingerprint(self, image: Any, spec: MachineSpec) -> dict[str, str]:

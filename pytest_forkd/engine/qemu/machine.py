@@ -84,6 +84,12 @@ class MachineSpec:
     kernel_args: tuple[str, ...] = ()
     network_card: bool = False
     """A virtio-net card (see :mod:`.network`): a device, so a child must have it iff its parent had."""
+    disk: Path | None = None
+    """A read-only disk (a container image's root) on virtio-blk; a device, so children attach it too.
+
+    Left out of the fingerprint: its path differs between hosts, and the
+    image key (part of every snapshot's fingerprint) already names its content.
+    """
 
     def with_memory(self, memory_mib: int) -> MachineSpec:
         return dataclasses.replace(self, memory_mib=memory_mib)
@@ -113,6 +119,18 @@ class MachineSpec:
     def card_args(self) -> list[str]:
         """The network card, when the machine has one (its backend comes from :class:`~.network.NetworkSpec`)."""
         return net.device_args(net.NetworkSpec("outbound")) if self.network_card else []
+
+    def disk_args(self) -> list[str]:
+        """The image disk, read-only and shared by every VM of the image (QEMU takes a shared lock)."""
+        if self.disk is None:
+            return []
+        path = str(self.disk).replace(",", ",,")  # QEMU's option syntax doubles a comma in a value
+        return [
+            "-drive",
+            f"file={path},if=none,id=image,format=raw,readonly=on",
+            "-device",
+            "virtio-blk-device,drive=image",
+        ]
 
     def append_line(self) -> str:
         # reboot=t: on microvm the kernel's ACPI and keyboard-controller resets never reach QEMU, so a
@@ -273,6 +291,7 @@ class Machine:
             "virtserialport,chardev=agent,name=agent",
             "-qmp",
             f"unix:{qmp_path},server=on,wait=off",
+            *spec.disk_args(),
         ]
         argv += net.netdev_args(network)
         if incoming:

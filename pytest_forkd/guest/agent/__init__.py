@@ -32,6 +32,7 @@ The parts, each importing only those listed before it:
 * ``files``: request payloads (in memory, an upload beside its destination, a tar stream unpacked as it arrives);
 * ``terminal``: pseudo-terminals and terminal signals;
 * ``cgroups``: a cgroup per command, and the agent kept out of the OOM killer's reach;
+* ``users``: the container image the agent may serve in (its config) and the users commands run as;
 * ``commands``: running one command to its end (``exec``);
 * ``processes``: processes started by ``spawn``, which outlive their request;
 * ``server``: the protocol loop, request dispatch, cancel, and :func:`main`.

@@ -26,6 +26,7 @@ from .common import (
 )
 from .streams import _OutputStream, _read_or_eio, _StreamCapture
 from .terminal import _start_on_terminal
+from .users import ROOT, Credentials, ImageRoot
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -83,18 +84,32 @@ def _check_program(argv: list[str], env: Any, cwd: str | None) -> None:
 _ENTER_SCRIPT = 'echo 0 > "$1" || exit 125; echo "$2" > /proc/self/oom_score_adj; shift 2; exec "$@"'
 
 
-def _entered(argv: list[str], group: _CommandGroup | None) -> list[str]:
-    """``argv`` prefixed so that it runs inside ``group`` with a raised OOM score.
+def _entered(
+    argv: list[str],
+    group: _CommandGroup | None,
+    credentials: Credentials | None = None,
+    image: ImageRoot | None = None,
+) -> list[str]:
+    """``argv`` prefixed so that it runs inside ``group`` with a raised OOM score, as ``credentials``.
 
     A shell command (``/bin/sh -c SCRIPT``) gets the two steps in front of its
     script, on the same line so that its line numbers stay right: that shell
-    is started anyway, so it costs no extra program.
+    is started anyway, so it costs no extra program. A command that runs as
+    another user than root switches after both steps (they need root), through
+    busybox's ``nsenter -S UID -G GID``. In a container image the steps run in
+    the runtime's busybox: the image may have no shell.
     """
     procs = os.fsdecode(group.procs) if group is not None else "/dev/null"
-    if len(argv) == 3 and argv[:2] == ["/bin/sh", "-c"] and "'" not in procs:
+    switch = credentials is not None and not credentials.is_root
+    if not switch and len(argv) == 3 and argv[:2] == ["/bin/sh", "-c"] and "'" not in procs:
         enter = f"echo 0 > '{procs}' || exit 125; echo {COMMAND_OOM_SCORE_ADJ} > /proc/self/oom_score_adj; "
         return ["/bin/sh", "-c", enter + argv[2]]
-    return ["/bin/sh", "-c", _ENTER_SCRIPT, "forkd-exec", procs, str(COMMAND_OOM_SCORE_ADJ), *argv]
+    busybox = image.busybox if image is not None else "busybox"
+    shell = [busybox, "sh"] if image is not None else ["/bin/sh"]
+    if switch:
+        assert credentials is not None
+        argv = [busybox, "nsenter", "-S", str(credentials.uid), "-G", str(credentials.gid), "-F", *argv]
+    return [*shell, "-c", _ENTER_SCRIPT, "forkd-exec", procs, str(COMMAND_OOM_SCORE_ADJ), *argv]
 
 
 class _CommandRun:
@@ -123,6 +138,8 @@ def _run_command(
     child_setup: bool,
     running: dict[int, _CommandCollector],
     terminal: tuple[int, int] | None = None,
+    credentials: Credentials = ROOT,
+    image: ImageRoot | None = None,
 ) -> _CommandRun:
     """Run ``argv`` in a new session (and its own cgroup), streaming its stdout and stderr.
 
@@ -136,7 +153,8 @@ def _run_command(
     stdin_file: IO[bytes] | None = None
     try:
         try:
-            command = _entered(argv, group) if child_setup or group is not None else argv
+            wrap = child_setup or group is not None or not credentials.is_root
+            command = _entered(argv, group, credentials, image) if wrap else argv
             if terminal is None:
                 process = subprocess.Popen(
                     command,

@@ -16,6 +16,7 @@ from .commands import _discard_until_eof, _entered
 from .common import _PIPE_READ_SIZE, _PIPE_SIZE, _STDIN_WRITE_SIZE, OUTPUT_DRAIN_AFTER_EXIT, RequestError, log_to_stderr
 from .streams import _LiveBuffer, _read_or_eio
 from .terminal import _set_window_size, _start_on_terminal
+from .users import ROOT, Credentials, ImageRoot
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -97,10 +98,13 @@ class _Spawned:
         child_setup: bool,
         send_frame: Callable[[dict[str, Any], bytes], None],
         finished: Callable[[_Spawned], None],
+        credentials: Credentials = ROOT,
+        image: ImageRoot | None = None,
     ) -> _Spawned:
         """Start ``argv`` in a new session and its own cgroup, on pipes or on a new terminal."""
         group = cgroups.take() if cgroups is not None else None
-        command = _entered(argv, group) if child_setup or group is not None else argv
+        wrap = child_setup or group is not None or not credentials.is_root
+        command = _entered(argv, group, credentials, image) if wrap else argv
         child_ends: list[int] = []
         ours: list[int] = []
         try:

@@ -31,6 +31,7 @@ from .files import _ArchiveSink, _MemorySink, _UploadSink, _WithdrawnPayload
 from .processes import _Spawned
 from .streams import _OutputStream, _send_within_credit, _StreamCapture, _StreamStopper
 from .terminal import _terminal_size, _unignore_terminal_signals
+from .users import ROOT, Credentials, ImageRoot, enter_image, resolve_user
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -69,8 +70,10 @@ class Agent:
         log: Callable[[str], None] = log_to_stderr,
         cgroups: CommandCgroups | None = None,
         oom_target: bool = False,
+        image: ImageRoot | None = None,
     ) -> None:
         self._fd_in = fd_in
+        self._image = image
         self._fd_out = fd_out
         self._wait_on_eof = wait_on_eof
         self._set_clock = set_clock
@@ -285,10 +288,24 @@ class Agent:
             }
         )
 
+    def _credentials(
+        self, fields: dict[str, Any], env: dict[str, str] | None
+    ) -> tuple[Credentials, dict[str, str] | None]:
+        """Who a command runs as (the request's ``user``, else the image's), and its env with that user's HOME."""
+        user = _optional(fields, "user", str)
+        if self._image is not None:
+            credentials = self._image.credentials(user)
+        else:
+            credentials = resolve_user(user) if user else ROOT
+        if user and "HOME" not in (fields.get("env") or {}):
+            env = {**(env if env is not None else os.environ), "HOME": credentials.home}
+        return credentials, env
+
     def _exec(self, fields: dict[str, Any], sink: _MemorySink) -> None:
         argv = _command_argv(fields)
         env = _request_env(fields)
         cwd = _optional(fields, "cwd", str)
+        credentials, env = self._credentials(fields, env)
         timeout = _optional(fields, "timeout", (int, float))
         if timeout is not None and timeout <= 0:
             raise RequestError("BadRequest", f"'timeout' must be a positive number of seconds or null, got {timeout}")
@@ -314,6 +331,8 @@ class Agent:
                 child_setup=self._oom_target,
                 running=self._running,
                 terminal=terminal,
+                credentials=credentials,
+                image=self._image,
             )
             self._send_tails(stream, run.captures)
         finally:
@@ -408,6 +427,7 @@ class Agent:
         if max_output is None or max_output < 0:
             raise RequestError("BadRequest", f"'max_output' must be a number of bytes >= 0, got {max_output}")
         terminal = _terminal_size(fields)
+        credentials, env = self._credentials(fields, env)
         _check_program(argv, env if env is not None else os.environ, cwd)
         spawned = _Spawned.start(
             argv,
@@ -419,6 +439,8 @@ class Agent:
             child_setup=self._oom_target,
             send_frame=self._send_frame,
             finished=self._forget_process,
+            credentials=credentials,
+            image=self._image,
         )
         self._processes[spawned.pid] = spawned
         self._start_attachment(spawned, fields)
@@ -639,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
             log_to_stderr(f"cannot open the agent port: {exc}")
             return 1
         protect_from_oom_killer()
-        agent = Agent(port, port, wait_on_eof=True, cgroups=CommandCgroups.setup(), oom_target=True)
+        image = enter_image()
+        agent = Agent(port, port, wait_on_eof=True, cgroups=CommandCgroups.setup(), oom_target=True, image=image)
     log_to_stderr(f"serving on {args[0]} (pid {os.getpid()})")
     try:
         agent.serve_forever()

@@ -1,0 +1,162 @@
+"""The container image the agent serves in: its config, and the users its commands run as.
+
+In a VM booted from a container image, /init mounts the image's root, bind-mounts
+the agent's own runtime (interpreter, libraries, busybox) at ``/.forkd`` inside it
+and starts the agent chrooted there with ``FORKD_RUNTIME=/.forkd``. The image's
+config (``Env``, ``WorkingDir``, ``User``) becomes the agent's environment, working
+directory and default user, so every command starts as ``docker exec`` starts one.
+
+Users are resolved as Docker resolves them, in the image's own ``/etc/passwd``
+and ``/etc/group``, read as text: the runtime's C library must not load the
+image's NSS modules, and an image may have no passwd file at all (a number
+then works, a name does not). Supplementary groups are not set: the switch is
+busybox's ``nsenter -S UID -G GID``, which clears them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .common import RequestError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+#: Where /init mounts the runtime inside an image root, given to the agent as FORKD_RUNTIME.
+RUNTIME_ENV = "FORKD_RUNTIME"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class Credentials:
+    """Who a command runs as: numeric ids and the home directory its HOME names."""
+
+    __slots__ = ("gid", "home", "uid")
+
+    def __init__(self, uid: int, gid: int, home: str) -> None:
+        self.uid = uid
+        self.gid = gid
+        self.home = home
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0 and self.gid == 0
+
+
+ROOT = Credentials(0, 0, "/root")
+
+
+def _entries(path: str) -> list[list[str]]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            return [line.rstrip("\n").split(":") for line in source if line.strip() and not line.startswith("#")]
+    except OSError:
+        return []
+
+
+def resolve_user(spec: str) -> Credentials:
+    """``name``, ``uid``, ``name:group``, ``uid:gid`` (any mix) as ``docker exec --user`` reads them.
+
+    A name must exist in /etc/passwd (a group name in /etc/group); a number
+    need not, and then runs with gid 0 unless one is given, and HOME ``/``.
+    """
+    user, _, group = spec.partition(":")
+    if not user:
+        raise RequestError("BadRequest", f"user {spec!r}: give a user name or number (USER[:GROUP])")
+    passwd = _entries("/etc/passwd")
+    entry = next((fields for fields in passwd if len(fields) >= 7 and fields[0] == user), None)
+    if entry is None and user.isdigit():
+        entry = next((fields for fields in passwd if len(fields) >= 7 and fields[2] == user), None)
+        uid, gid, home = int(user), int(entry[3]) if entry else 0, entry[5] if entry else "/"
+    elif entry is None:
+        raise RequestError(
+            "BadRequest",
+            f"unable to find user {user}: no matching entries in the image's /etc/passwd; "
+            "give a user the image has, or a number",
+        )
+    else:
+        try:
+            uid, gid, home = int(entry[2]), int(entry[3]), entry[5] or "/"
+        except ValueError:
+            raise RequestError("BadRequest", f"user {user}: its /etc/passwd entry is malformed") from None
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        else:
+            match = next((fields for fields in _entries("/etc/group") if len(fields) >= 3 and fields[0] == group), None)
+            if match is None or not match[2].isdigit():
+                raise RequestError(
+                    "BadRequest", f"unable to find group {group}: no matching entries in the image's /etc/group"
+                )
+            gid = int(match[2])
+    return Credentials(uid, gid, home)
+
+
+class ImageRoot:
+    """The container image a chrooted agent serves in (None outside one: see :func:`enter_image`)."""
+
+    __slots__ = ("busybox", "config", "default_user", "user_error")
+
+    def __init__(self, runtime: str, config: dict[str, Any]) -> None:
+        self.busybox = os.path.join(runtime, "usr/bin/busybox")
+        self.config = config
+        self.default_user: Credentials = ROOT
+        self.user_error: RequestError | None = None
+        """Why the image's own ``User`` does not resolve: every command without a user fails with it."""
+
+    def credentials(self, user: str | None) -> Credentials:
+        """The request's user, else the image's."""
+        if user:
+            return resolve_user(user)
+        if self.user_error is not None:
+            raise self.user_error
+        return self.default_user
+
+
+def image_env(config: dict[str, Any], home: str) -> dict[str, str]:
+    """The environment of the image's commands: its ``Env``, with PATH and HOME where it has none."""
+    env: dict[str, str] = {}
+    for item in config.get("env") or ():
+        name, sep, value = str(item).partition("=")
+        if name and sep:
+            env[name] = value
+    env.setdefault("PATH", DEFAULT_PATH)
+    env.setdefault("HOME", home)
+    env.setdefault("HOSTNAME", "forkd")
+    return env
+
+
+def enter_image() -> ImageRoot | None:
+    """Adopt the image's config when the agent runs in a container image; None otherwise.
+
+    Replaces the agent's environment with the image's (the initramfs's own
+    variables would mean nothing there) and moves to its ``WorkingDir``,
+    created if the image lacks it, as Docker does.
+    """
+    runtime = os.environ.get(RUNTIME_ENV)
+    if not runtime:
+        return None
+    try:
+        with open(os.path.join(runtime, "etc/forkd/image.json"), encoding="utf-8") as source:
+            record = json.load(source)
+    except (OSError, ValueError):
+        record = {}
+    config = record.get("config") or {}
+    root = ImageRoot(runtime, config)
+    user = str(config.get("user") or "")
+    if user:
+        try:
+            root.default_user = resolve_user(user)
+        except RequestError as exc:  # commands then fail naming it; the agent must still serve
+            root.user_error = RequestError(exc.error_type, f"the image's User: {exc}")
+    env = image_env(config, root.default_user.home)
+    os.environ.clear()
+    os.environ.update(env)
+    workdir = str(config.get("working_dir") or "/")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        os.chdir(workdir)
+    except OSError:
+        os.chdir("/")
+    return root

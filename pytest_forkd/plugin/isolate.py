@@ -1,0 +1,216 @@
+"""``pytest --forkd-isolate``: an existing suite's tests, each in its own child VM, set-up inherited from a parent.
+
+The host's pytest collects and selects as always (``-k``, ``-m``, ``-x``,
+``--lf``), reports as always (the terminal, ``--junitxml``, pytest-html,
+forkd's own summary), and runs each selected test's setup, call and teardown
+in a copy-on-write child of a parent VM where the suite is already imported
+and collected and its session- and module-scoped fixtures are already set up
+(:mod:`~pytest_forkd.plugin.isolate_parent`). The reports are the guest
+pytest's own (:mod:`~pytest_forkd.plugin.isolate_reports`).
+
+Which tests: every test with ``--forkd-isolate`` (ini ``forkd_isolate =
+true``, env ``PYTEST_FORKD_ISOLATE=1``; command line over env over ini), else
+those marked ``@pytest.mark.forkd_isolate`` (on a test, a class or a module's
+``pytestmark``). Tests that use forkd's own fixtures (``forkd_vm``...) drive
+VMs from the host and stay there.
+
+The marker's arguments: ``fresh=True`` runs the test in a child of the state
+before any set-up, so it sets up (and tears down) its session and module
+fixtures itself instead of inheriting the parent's; ``timeout=SECONDS`` its
+limit (default ``--forkd-isolate-timeout``, 600 s; a ``timeout`` marker of
+pytest-timeout counts too). A test past its limit fails and its VM is
+killed; the run goes on.
+
+What inheriting means: a session- or module-scoped fixture is set up once, in
+the parent, before the children are forked, so each child starts with its own
+copy of its value and of what it did in the guest (files, processes). What a
+test changes in it stays in that test's child; teardown runs once, in the
+parent, after the module's (or the run's) last test, and its errors are
+reported with that test's teardown.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+import pytest
+
+from pytest_forkd.errors import ForkdError
+from pytest_forkd.plugin.isolate_options import MARKER_HELP, IsolatedTest, IsolateSettings, isolated_test, resolve
+
+if TYPE_CHECKING:
+    from pytest_forkd.plugin.isolate_parent import IsolationParent
+    from pytest_forkd.plugin.state import RunState
+
+#: Set on an isolated item: how it runs.
+ISOLATED: Final = pytest.StashKey["IsolatedTest"]()
+
+
+class IsolationHooks:
+    """The hooks of the isolation mode, registered for every run; they act once a test is selected."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+        self.settings: IsolateSettings | None = None
+        self.items: list[pytest.Item] = []
+        self.index: dict[str, int] = {}
+        self.parent: IsolationParent | None = None
+        self.start_error: str | None = None
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        config.addinivalue_line("markers", MARKER_HELP)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """Select the tests to isolate (after every other plugin's selection and ordering)."""
+        try:
+            settings = self.settings = resolve(config)
+            for item in items:
+                test = isolated_test(item, settings)
+                if test is not None:
+                    item.stash[ISOLATED] = test
+        except ForkdError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        self.items = [item for item in items if ISOLATED in item.stash]
+        self.index = {item.nodeid: position for position, item in enumerate(self.items)}
+        if self.items:
+            self.state.resolve()  # a bad forkd setting fails the run now, not in every test
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        test = item.stash.get(ISOLATED, None)
+        if test is None:
+            return None
+        ihook = item.ihook
+        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for report in self.run(item, test, nextitem):
+            ihook.pytest_runtest_logreport(report=report)
+        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        parent, self.parent = self.parent, None
+        if parent is not None:
+            parent.close()
+
+    # -- one test ---------------------------------------------------------------------------------
+    def run(self, item: pytest.Item, test: IsolatedTest, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
+        from pytest_forkd.plugin import isolate_reports
+
+        config = item.config
+        parent = self._parent(config)
+        if parent is None:
+            return isolate_reports.completed(item, [], self.start_error)
+        failure = self._not_runnable(item, parent)
+        if failure is not None:
+            return isolate_reports.completed(item, [], failure)
+        try:
+            snapshot = parent.snapshot_for(
+                item.nodeid, test.file, self._group(item, test), fresh=test.fresh, timeout=test.timeout
+            )
+        except ForkdError as exc:
+            return isolate_reports.completed(item, [], f"forkd could not set up {test.file} in the parent VM: {exc}")
+        outcome = parent.run(snapshot, item.nodeid, fresh=test.fresh, timeout=test.timeout)
+        reports = [isolate_reports.from_guest(config, item, data) for data in outcome.reports]
+        for warning in outcome.warnings:
+            isolate_reports.replay_warning(config, item, warning)
+        if outcome.output and config.getoption("capture", "fd") == "no":
+            sys.stdout.write(outcome.output)
+            sys.stdout.flush()
+        error = outcome.error
+        reports = isolate_reports.completed(item, reports, f"{type(error).__name__}: {error}" if error else None)
+        if parent.set_up and self._leaves_scope(parent, nextitem):
+            reports = self._teardown_in_parent(item, reports, parent, nextitem, test.timeout)
+        return reports
+
+    def _parent(self, config: pytest.Config) -> IsolationParent | None:
+        """The run's parent VM, started on the first isolated test; None (and ``start_error``) if it cannot be."""
+        if self.parent is not None or self.start_error is not None:
+            return self.parent
+        from pytest_forkd.plugin import isolate_plan
+        from pytest_forkd.plugin.isolate_parent import IsolationParent
+        from pytest_forkd.plugin.progress import progress_printer
+
+        assert self.settings is not None
+        progress = progress_printer(config)
+        parent: IsolationParent | None = None
+        try:
+            plan = isolate_plan.plan(
+                config,
+                [Path(item.path) for item in self.items],
+                configured_paths=self.settings.paths,
+                exclude=self.settings.exclude,
+            )
+            session = self.state.open_session(progress)
+            parent = IsolationParent(session, plan, progress=progress)
+            parent.start()
+        except ForkdError as exc:
+            self.start_error = f"forkd could not start the isolation parent VM: {type(exc).__name__}: {exc}"
+            if parent is not None:
+                parent.close()
+            return None
+        self.parent = parent
+        return parent
+
+    def _not_runnable(self, item: pytest.Item, parent: IsolationParent) -> str | None:
+        """Why the guest cannot run ``item`` (its pytest did not collect it), or None."""
+        if item.nodeid in parent.collected:
+            return None
+        file = item.stash[ISOLATED].file
+        error = parent.collection_errors.get(file) or next(
+            (text for nodeid, text in parent.collection_errors.items() if file.startswith(nodeid)), None
+        )
+        if error is not None:
+            return (
+                f"the guest's pytest could not collect {file} (a test dependency missing from the guest image? "
+                f"declare it under images: in forkd.yaml):\n{error}"
+            )
+        return (
+            f"the guest's pytest (pytest {parent.guest_versions.get('pytest')}, Python "
+            f"{parent.guest_versions.get('python')}) did not collect {item.nodeid}; it collects the same files "
+            "with the same ini file, so a plugin or conftest.py that generates this test may be missing in the guest"
+        )
+
+    def _group(self, item: pytest.Item, test: IsolatedTest) -> list[str]:
+        """The tests after ``item`` from its file (in run order) whose fixtures the parent sets up with its own."""
+        group: list[str] = []
+        for following in self.items[self.index.get(item.nodeid, len(self.items)) + 1 :]:
+            other = following.stash[ISOLATED]
+            if other.file != test.file:
+                break
+            if not other.fresh:
+                group.append(following.nodeid)
+        return group
+
+    @staticmethod
+    def _leaves_scope(parent: IsolationParent, nextitem: pytest.Item | None) -> bool:
+        """Whether the next test no longer shares what the parent has set up (its module, or anything)."""
+        if nextitem is None:
+            return True
+        following = nextitem.stash.get(ISOLATED, None)
+        return parent.prepared_file is not None and (following is None or following.file != parent.prepared_file)
+
+    def _teardown_in_parent(
+        self,
+        item: pytest.Item,
+        reports: list[pytest.TestReport],
+        parent: IsolationParent,
+        nextitem: pytest.Item | None,
+        timeout: float,
+    ) -> list[pytest.TestReport]:
+        from pytest_forkd.plugin import isolate_reports
+
+        try:
+            reply = parent.teardown(item.nodeid, nextitem.nodeid if nextitem is not None else None, timeout=timeout)
+        except ForkdError as exc:
+            failed = isolate_reports.made_here(
+                item, "teardown", "failed", f"forkd: tearing down in the parent VM: {exc}"
+            )
+            return isolate_reports.with_parent_teardown(reports, failed)
+        for warning in reply.get("warnings", ()):
+            isolate_reports.replay_warning(item.config, item, warning)
+        return isolate_reports.with_parent_teardown(
+            reports, isolate_reports.from_guest(item.config, item, reply["report"])
+        )

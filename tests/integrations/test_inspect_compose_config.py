@@ -1,0 +1,151 @@
+"""Inspect configs that name a container image (compose.yaml, Dockerfile, ComposeConfig), without VMs.
+
+What the ``forkd`` sandbox reads from them and how a config it cannot run
+fails: as the error of each sample that uses it, in forkd's one line, while
+the eval goes on. Samples in real VMs of registry images are in
+tests/integrations/test_inspect_compose_vm.py.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("inspect_ai", reason="needs inspect-ai: pip install 'pytest-forkd[inspect]'")
+
+from inspect_ai import Task  # noqa: E402
+from inspect_ai import eval as inspect_eval  # noqa: E402
+from inspect_ai._eval.loader import resolve_task_sandbox  # noqa: E402
+from inspect_ai.dataset import Sample  # noqa: E402
+from inspect_ai.util import ComposeConfig  # noqa: E402
+from inspect_scripts import offline_tokens, scripted_model  # noqa: E402
+
+from pytest_forkd.errors import ConfigError  # noqa: E402
+from pytest_forkd.integrations import inspect_support as support  # noqa: E402
+from pytest_forkd.integrations.compose import ServiceBuild  # noqa: E402
+from pytest_forkd.integrations.image_sessions import ImageGuest  # noqa: E402
+from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
+from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+
+COMPOSE = """\
+services:
+  default:
+    image: 127.0.0.1:5000/project:${TAG:-1}
+    working_dir: /srv/project
+    environment: {MODE: evaluated}
+    user: agent
+    mem_limit: 512m
+    init: true
+    command: tail -f /dev/null
+    network_mode: none
+"""
+
+
+def test_image_configs_are_recognised_and_forkd_yaml_is_not() -> None:
+    for config in ("compose.yaml", "task/docker-compose.yml", "ctf-compose.yaml", "Dockerfile", "x.Dockerfile"):
+        assert support.is_image_config(config), config
+    assert support.is_image_config(ComposeConfig.model_validate({"services": {"default": {"image": "x"}}}))
+    for config in (None, "forkd.yaml", support.ForkdSandboxConfig(config="forkd.yaml")):
+        assert not support.is_image_config(config), config
+
+
+def test_a_compose_file_is_read_relative_to_the_task(tmp_path: Path) -> None:
+    (tmp_path / "compose.yaml").write_text(COMPOSE)
+    sample = support.image_sample("compose.yaml", base=tmp_path, environ={"TAG": "2"})
+    assert sample.user == "agent"
+    assert sample.guest == ImageGuest(
+        reference="docker://127.0.0.1:5000/project:2",
+        workdir="/srv/project",
+        env=(("MODE", "evaluated"),),
+        memory_mib=512,
+        network="none",
+    )
+    assert sample.guest.origin == "compose.yaml: services.default"
+    assert sample.guest.snapshot_name().startswith("image-project_2-")
+
+
+def test_a_dockerfile_and_a_compose_config_model(tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text("FROM base\n")
+    sample = support.image_sample("Dockerfile", base=tmp_path, environ={})
+    assert sample.guest.build == ServiceBuild(context=tmp_path, dockerfile=tmp_path / "Dockerfile")
+    assert sample.guest.network == "none" and sample.user is None
+
+    model = ComposeConfig.model_validate(
+        {"services": {"agent": {"image": "python:3.12", "x-default": True, "environment": ["A=1"]}}}
+    )
+    sample = support.image_sample(model, base=tmp_path, environ={})
+    assert sample.guest.reference == "docker://docker.io/library/python:3.12"
+    assert sample.guest.env == (("A", "1"),) and sample.guest.origin == "ComposeConfig: services.agent"
+
+
+def test_sample_metadata_is_offered_as_inspects_docker_sandbox_offers_it(tmp_path: Path) -> None:
+    (tmp_path / "compose.yaml").write_text("services:\n  default: {image: 'x:${SAMPLE_METADATA_IMAGE_TAG}'}\n")
+    metadata = {"image tag": "7", "unused": "no"}
+    assert support.metadata_environment("compose.yaml", metadata, base=tmp_path) == {"SAMPLE_METADATA_IMAGE_TAG": "7"}
+    assert support.metadata_environment("Dockerfile", metadata, base=tmp_path) == {}
+    environ = support.metadata_environment("compose.yaml", metadata, base=tmp_path)
+    assert support.image_sample("compose.yaml", base=tmp_path, environ=environ).guest.reference == (
+        "docker://docker.io/library/x:7"
+    )
+
+
+def test_a_docker_task_run_with_sandbox_forkd_keeps_its_compose_file(tmp_path: Path) -> None:
+    """``inspect eval task.py --sandbox forkd`` on a task written for docker: forkd is docker-compatible."""
+    task = Task(dataset=[Sample(input="x")], sandbox=("docker", "compose.yaml"))
+    resolved = resolve_task_sandbox(task, "forkd")
+    assert resolved is not None and resolved.type == "forkd"
+    assert isinstance(resolved.config, str) and Path(resolved.config).name == "compose.yaml"
+
+
+def one_sample(sample_id: str, config: str) -> Sample:
+    return Sample(id=sample_id, input="[]", sandbox=("forkd", config))
+
+
+def test_configs_forkd_cannot_run_fail_their_own_samples_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offline_tokens(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "two-services-compose.yaml").write_text("services:\n  default: {image: x}\n  db: {image: postgres}\n")
+    (tmp_path / "bind-compose.yaml").write_text(
+        textwrap.dedent(
+            """\
+            services:
+              default:
+                image: x
+                volumes: ["./src:/srv/src"]
+            """
+        )
+    )
+    (tmp_path / "nodefault-compose.yaml").write_text("services:\n  app: {image: x}\n")
+    samples = [
+        one_sample("two", "two-services-compose.yaml"),
+        one_sample("bind", "bind-compose.yaml"),
+        one_sample("nodefault", "nodefault-compose.yaml"),
+    ]
+    task = Task(dataset=samples, sandbox="forkd")
+    [log] = inspect_eval(
+        task, model=scripted_model(), log_dir=str(tmp_path / "logs"), display="none", fail_on_error=False
+    )
+    errors: dict[Any, str] = {sample.id: sample.error.message for sample in log.samples or [] if sample.error}
+    assert set(errors) == {"two", "bind", "nodefault"}, errors
+    assert "cannot start 'db' beside it" in errors["two"]
+    assert "a VM cannot mount the host folder './src'" in errors["bind"]
+    assert "no default service among 'app'" in errors["nodefault"]
+    for message in errors.values():
+        assert "\n" not in message.strip(), message
+    assert SESSIONS.keys() == []
+
+
+def test_a_build_forkd_cannot_find_fails_before_anything_boots(tmp_path: Path) -> None:
+    (tmp_path / "compose.yaml").write_text("services:\n  default:\n    build: {context: ., dockerfile: Missing}\n")
+    with pytest.raises(ConfigError, match="services.default.build.dockerfile: no such Dockerfile"):
+        support.image_sample("compose.yaml", base=tmp_path, environ={})
+
+
+def test_the_sandbox_reads_its_config_files_as_docker_compatible() -> None:
+    assert "compose.yaml" in ForkdSandboxEnvironment.config_files()
+    assert ForkdSandboxEnvironment.config_files()[0] == "forkd.yaml"  # forkd's own file wins beside a compose file
