@@ -15,11 +15,12 @@ setup:
 example: setup
 	cd examples && ../$(VENV)/bin/pytest --forkd-snapshot=base $(PYTEST_ARGS)
 
-# A real project's test suite (toolz, from its sdist) ported into forked VMs: examples/port_project.
+# A real project's test suite (toolz, from its sdist) run with `pytest --forkd-isolate`: examples/port_project.
 example-port: setup
-	cd examples/port_project && ../../$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python examples/port_project/run.py $(PYTEST_ARGS)
 
 test: setup
+	@scripts/setup.sh --test-tools
 	$(VENV)/bin/pytest $(TESTS) -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Lint, format check and strict type check, each reported; fails if any of them fails.

@@ -14,8 +14,9 @@ import pytest
 
 from pytest_forkd.paths import shm_root
 
-# The plugin's own tests drive inner pytest runs (tests/plugin).
-pytest_plugins = ["pytester"]
+# The plugin's own tests drive inner pytest runs (tests/plugin); the container image tests share
+# a real registry server and the images pushed to it (tests/registry.py: fixtures used by name).
+pytest_plugins = ["pytester", "registry"]
 
 
 def _leaked_vms() -> list[str]:

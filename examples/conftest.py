@@ -17,6 +17,16 @@ CHECK_PY = (
 )
 
 
+#: pytest-asyncio's ini key that pytest.ini sets (see pytest_addoption).
+ASYNCIO_LOOP_SCOPE_KEY = "asyncio_default_fixture_loop_scope"
+
+
+def pytest_addoption(parser, pluginmanager):
+    """Declare pytest-asyncio's key where it is not installed, so that pytest.ini setting it is no unknown option."""
+    if not pluginmanager.hasplugin("asyncio"):
+        parser.addini(ASYNCIO_LOOP_SCOPE_KEY, "pytest-asyncio's; unused here, pytest-asyncio is not installed")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def project_in_parent(forkd_parent):
     """Put the project into the parent VM once; every test's VM is a child of this state."""

@@ -53,8 +53,9 @@ ENVIRONMENT: dict[str, str] = {
     "FORKD_ZSTD": "`binary` or `module`: which zstd snapshot archives use (default: the `zstd` tool when it is "
     "on `PATH`, else the `zstandard` module of the `archive` extra).",
 }
-# Read by the package but set by the package itself for a child process it starts: not a user setting.
-INTERNAL_ENV: frozenset[str] = frozenset({"FORKD_BENCH_COMMAND"})
+# Read by the package but set by the package itself for a child process it starts (FORKD_RUNTIME: by the
+# guest's /init for the agent in a container image): not a user setting.
+INTERNAL_ENV: frozenset[str] = frozenset({"FORKD_BENCH_COMMAND", "FORKD_RUNTIME"})
 
 
 # What each key of forkd.yaml means, by section. tests/unit/test_docs.py fails when pytest_forkd.project.config
@@ -69,8 +70,10 @@ YAML_SECTIONS: dict[str, str] = {
     "budgets": "Suite-wide latency budgets: `budgets: {OPERATION: {STAT_ms: LIMIT, backends: {BACKEND: {...}}}}`.",
 }
 YAML_SNAPSHOT_KEYS: dict[str, str] = {
-    "from": "What it starts from: another snapshot's name, or `image:NAME` to boot a guest image (default: "
-    "`base`; for a project's own `base`, `image:default`).",
+    "from": "What it starts from: another snapshot's name, `image:NAME` to boot a guest image, or a container "
+    "image: `docker://REF`, `dockerfile:PATH`, `oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE` "
+    "(paths relative to forkd.yaml; see [Container images](../guides/container-images.md)) (default: `base`; "
+    "for a project's own `base`, `image:default`).",
     "memory_mib": "Guest memory in MiB (default: that of `from`; 256 when booting an image; at least what the "
     "image needs to boot).",
     "vcpus": "Virtual CPUs (default: that of `from`).",
@@ -93,6 +96,8 @@ YAML_IMAGE_KEYS: dict[str, str] = {
 }
 SETTINGS_ONLY_IN_YAML: dict[str, str] = {
     "debian_mirror": "Debian mirror guest images are built from (after `--mirror` and `FORKD_DEBIAN_MIRROR`).",
+    "insecure_registries": "Registries (`HOST[:PORT]`) container images may be pulled from over plain HTTP, "
+    "beyond localhost and 127.0.0.0/8, which always may.",
 }
 
 

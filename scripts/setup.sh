@@ -14,6 +14,11 @@ cd "$(dirname "$0")/.."
 # preparing a host where normal users then run `make example` / `make test`).
 SYSTEM_ONLY=0
 if [ "${1:-}" = --system-only ]; then SYSTEM_ONLY=1; fi
+# --test-tools: what only the test suite needs (`make test` runs it): a registry server, image tools and
+# builders for the container image tests, and podman's configuration for this host (as root). Without
+# root or sudo it says what is missing and goes on: those tests skip, naming what they need.
+TEST_TOOLS=0
+if [ "${1:-}" = --test-tools ]; then TEST_TOOLS=1; fi
 
 VENV=${FORKD_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -32,8 +37,44 @@ as_root() {
   exit 1
 }
 
+if [ "$TEST_TOOLS" = 1 ]; then
+  test_pkgs=()
+  for tool in skopeo:skopeo docker-registry:docker-registry umoci:umoci podman:podman buildah:buildah \
+              runc:runc zstd:zstd; do
+    command -v "${tool%%:*}" >/dev/null || test_pkgs+=("${tool#*:}")
+  done
+  if [ ${#test_pkgs[@]} -gt 0 ]; then
+    if [ "$IS_ROOT" = 1 ] || { command -v sudo >/dev/null && sudo -n true 2>/dev/null; }; then
+      echo "setup: installing the test tools ${test_pkgs[*]}" >&2
+      as_root apt-get update -qq
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${test_pkgs[@]}" >/dev/null
+    else
+      echo "setup: the container image tests need ${test_pkgs[*]} (apt-get install them as root); they skip meanwhile" >&2
+    fi
+  fi
+  # podman builds here need runc and cgroupfs (crun refuses the hybrid cgroup layout), and plain HTTP to the
+  # tests' registries on 127.0.0.1. Written only as root, and never over an administrator's own file.
+  if [ "$IS_ROOT" = 1 ] && command -v podman >/dev/null; then
+    mkdir -p /etc/containers/registries.conf.d
+    if [ ! -f /etc/containers/containers.conf ]; then
+      printf '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\n' > /etc/containers/containers.conf
+      echo "setup: wrote /etc/containers/containers.conf (runc, cgroupfs) for podman builds" >&2
+    fi
+    if [ ! -f /etc/containers/registries.conf.d/50-forkd-tests.conf ]; then
+      printf '[[registry]]\nlocation = "127.0.0.1"\ninsecure = true\n\n[[registry]]\nlocation = "localhost"\ninsecure = true\n' \
+        > /etc/containers/registries.conf.d/50-forkd-tests.conf
+      echo "setup: wrote /etc/containers/registries.conf.d/50-forkd-tests.conf (plain HTTP to 127.0.0.1)" >&2
+    fi
+  fi
+  exit 0
+fi
+
 need_pkgs=()
 command -v qemu-system-x86_64 >/dev/null || need_pkgs+=(qemu-system-x86)
+# Container images (docker://, oci:... references) are pulled with skopeo.
+command -v skopeo >/dev/null || need_pkgs+=(skopeo)
+# Their layers become a read-only ext4 disk, written with mke2fs and debugfs (no root needed).
+{ command -v mke2fs && command -v debugfs; } >/dev/null 2>&1 || [ -x /sbin/mke2fs ] || need_pkgs+=(e2fsprogs)
 command -v git >/dev/null || need_pkgs+=(git)
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || need_pkgs+=(python3-venv)
 # The guest image builder reads a pinned Debian release from a mirror itself

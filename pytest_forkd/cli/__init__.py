@@ -149,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the boundary: nothing leaves as a traceback
         if debug:
             traceback.print_exc()
-        for line in error_line(exc, debug=debug).splitlines():
+        text = error_line(exc, debug=debug)
+        for line in text.splitlines() if isinstance(exc, ConfigError) else [text]:  # a mistake a line, each an error
             print(f"forkd: error: {line}", file=sys.stderr)
         return exit_status(exc)
 
@@ -180,7 +181,7 @@ def error_line(exc: BaseException, *, debug: bool = False) -> str:
     """One line describing ``exc`` for the terminal, ending with what to do about it.
 
     A ConfigError listing several mistakes (a forkd.yaml with more than one) is
-    one line per mistake, each shown: ``main`` prints every line as an error.
+    one line per mistake, and each is shown: ``main`` prints every one as an error.
     """
     if isinstance(exc, ForkdError):
         text = str(exc).strip() or type(exc).__name__

@@ -75,6 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="List built guest images, then the container images in the local store with their digest, "
         "size and the snapshots that use them.",
     )
+    listing.add_argument(
+        "--store", type=Path, metavar="DIR", help="snapshot store to read snapshots from (default: the user cache)"
+    )
     listing.set_defaults(run=run_ls)
 
     prune = actions.add_parser(
@@ -143,7 +146,7 @@ def run_pull(args: argparse.Namespace) -> int:
 
 def run_ls(args: argparse.Namespace) -> int:
     images = list_images()
-    containers = _container_rows()
+    containers = _container_rows(getattr(args, "store", None))
     if not images:
         print("no images built yet; build the default one with `forkd image build`")
     else:
@@ -154,7 +157,7 @@ def run_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _container_rows() -> list[tuple[str, str, str, str, str]]:
+def _container_rows(store_dir: Path | None) -> list[tuple[str, str, str, str, str]]:
     """One row per pulled container image, with the snapshots taken on guest images made from it."""
     from pytest_forkd.image.oci import list_pulled
 
@@ -167,7 +170,7 @@ def _container_rows() -> list[tuple[str, str, str, str, str]]:
         if isinstance(container, dict) and isinstance(container.get("digest"), str):
             keys_by_digest.setdefault(container["digest"], set()).add(key)
     tags_by_key: dict[str, list[str]] = {}
-    for project, snapshot in _all_snapshots(None):
+    for project, snapshot in _all_snapshots(store_dir):
         tag = f"{project}/{snapshot.tag}" if project else snapshot.tag
         tags_by_key.setdefault(str(snapshot.fingerprint.get("image", "")), []).append(tag)
     rows = []

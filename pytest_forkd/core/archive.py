@@ -130,6 +130,13 @@ def export_snapshot(
     SnapshotStore(snapshot.path.parent, clean=False).check_restorable(snapshot)  # no damaged file leaves
     image_dir = image_directory(image_key)
     image_manifest = read_manifest(image_dir)
+    container = image_manifest.get("container")
+    if container:
+        raise ArchiveError(
+            f"snapshot {snapshot.tag!r} runs on container image {container.get('reference')}, whose disk an "
+            "archive does not carry yet; on the other host, pull the image (forkd image pull REF) and build the "
+            "snapshot there from the same forkd.yaml"
+        )
     machine = _machine_of(snapshot, tuple(image_manifest.get("kernel_args", ())))  # as recorded, or derived
     with tempfile.TemporaryDirectory(prefix="forkd-export-", dir=_scratch_root(snapshot.memory_mib << 20)) as scratch:
         try:

@@ -56,6 +56,8 @@ class Image:
     """The compressed kernel when ``kernel`` is its PVH (uncompressed) form, else None."""
     disk: Path | None = None
     """A container image's root filesystem: a read-only disk the engine attaches (None: the initramfs is all)."""
+    digest: str | None = None
+    """A container image's manifest digest (``sha256:...``), which snapshots of it record; None otherwise."""
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -79,6 +81,7 @@ def image_at(name: str, directory: Path) -> Image:
         fingerprint=manifest["key"],
         bzimage=directory / BZIMAGE_FILE if (directory / BZIMAGE_FILE).is_file() else None,
         disk=Path(manifest["container"]["disk"]) if manifest.get("container") else None,
+        digest=manifest["container"]["digest"] if manifest.get("container") else None,
     )
 
 

@@ -293,11 +293,11 @@ class IsolationParent:
         outcome = ChildRun()
         child: VM | None = None
         process: GuestProcess | None = None
-        deadline = time.monotonic() + timeout
         if not fresh and snapshot is self._prepared:
             self._remaining[0] = max(0, self._remaining[0] - 1)
         try:
             child = factory.fork_snapshot(snapshot, 1)[0]
+            deadline = time.monotonic() + timeout  # the test's own time, from when its VM is there
             process = child.process(self._process.pid)
             process.write_stdin(json.dumps({"op": "run", "nodeid": nodeid, "fresh": fresh}) + "\n")
             while True:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from oci_images import BUSYBOX_FACTS, push, write_busybox_image
-from registry import Registry, busybox_image, busybox_user_image, private_registry, registry  # noqa: F401
+from registry import Registry
 
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.errors import AgentError, ImageError

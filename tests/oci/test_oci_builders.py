@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import pwd
 import shutil
 import subprocess
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import oci_images
@@ -20,7 +23,7 @@ from registry import needs_registry
 
 from pytest_forkd.errors import ImageBuildError, ImageNotPulled, ImageToolMissing
 from pytest_forkd.image.oci import list_pulled, pull_image
-from pytest_forkd.image.oci.builders import available_builders, build_dockerfile
+from pytest_forkd.image.oci.builders import available_builders, build_dockerfile, build_tag
 from pytest_forkd.image.oci.store import Layer
 
 pytestmark = [pytest.mark.slow, needs_registry]
@@ -43,6 +46,11 @@ def builder_problem(name: str) -> str | None:
     """Why ``name`` cannot build here, or None."""
     if shutil.which(name) is None:
         return f"{name} is not installed (apt-get install {name}, or scripts/setup.sh --test-tools)"
+    if os.getuid() != 0:
+        user = pwd.getpwuid(os.getuid()).pw_name
+        subuids = Path("/etc/subuid").read_text() if Path("/etc/subuid").exists() else ""
+        if not any(line.split(":")[0] in (user, str(os.getuid())) for line in subuids.splitlines()):
+            return f"rootless {name} needs an /etc/subuid entry for {user} (usermod --add-subuids)"
     info = subprocess.run([name, "info"], capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
         last = (info.stderr.strip().splitlines() or ["no output"])[-1]
@@ -58,6 +66,16 @@ def context_folder(folder: Path, dockerfile: str = DOCKERFILE) -> Path:
     (folder / "data.txt").write_text("from the build context\n")
     (folder / "Dockerfile").write_text(dockerfile)
     return folder / "Dockerfile"
+
+
+@pytest.fixture(autouse=True)
+def forget_builds(tmp_path: Path) -> Iterator[None]:
+    """Remove the builders' tags of the Dockerfiles a test built (their storage is the host's, not the test's)."""
+    yield
+    for dockerfile in tmp_path.rglob("Dockerfile"):
+        for builder in ("podman", "buildah"):
+            if shutil.which(builder):
+                subprocess.run([builder, "rmi", "-f", build_tag(dockerfile)], capture_output=True, timeout=120)
 
 
 def file_in_layers(layers: tuple[Layer, ...], name: str) -> bytes | None:

@@ -54,7 +54,28 @@ def test_an_unknown_forkd_yaml_field_is_one_usage_line(pytester, run_forkd):
     pytester.makefile(".yaml", forkd="snapshots:\n  web:\n    setpu: ['true']\n")
     pytester.makepyfile(TEST_FILE)
     result = run_forkd()
-    assert_one_usage_line(result, r"forkd\.yaml: snapshots\.web\.setpu: unknown key; valid keys: from, .*setup")
+    assert_one_usage_line(
+        result, r"forkd\.yaml: snapshots\.web\.setpu: unknown key; did you mean 'setup'\? valid keys: from, .*setup"
+    )
+
+
+def test_every_mistake_of_forkd_yaml_and_the_options_is_reported_in_one_run(pytester, run_forkd):
+    """A misspelt top-level key, a misspelt budget field and a bad --forkd-budget: one run names all three."""
+    pytester.makefile(".yaml", forkd="snapshot:\n  web: {}\nbudgets:\n  fork: {p95: 300}\n")
+    pytester.makepyfile(TEST_FILE)
+    result = run_forkd("--forkd-budget=exec.p59=5")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    output = "\n".join(result.outlines + result.errlines)
+    assert "Traceback" not in output and not re.search(r"\b(passed|failed|error)\b in ", output), output
+    errors = [line for line in result.errlines if line.startswith("ERROR: ")]
+    assert errors == [
+        "ERROR: forkd.yaml: snapshot: unknown key; did you mean 'snapshots'? "
+        "valid keys: settings, images, snapshots, budgets",
+        "ERROR: forkd.yaml: budgets.fork.p95: unknown key 'p95'; did you mean 'p95_ms'? "
+        "valid keys: p50_ms, p95_ms, p99_ms, max_ms, mean_ms, backends",
+        "ERROR: --forkd-budget 'exec.p59=5': unknown statistic 'p59'; did you mean 'p99'? "
+        "valid statistics: p50, p95, p99, max, mean",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from registry import debian_image, registry  # noqa: F401
+from registry import Registry
 
 pytestmark = pytest.mark.vm
 
@@ -115,3 +115,40 @@ def test_runs_in_the_image(forkd_vm):
     both = run_forkd(f"--forkd-image={debian_image}", "--forkd-snapshot=base", store=tmp_path / "store")
     assert both.ret == pytest.ExitCode.USAGE_ERROR
     both.stderr.fnmatch_lines(["*--forkd-image*--forkd-snapshot*give one*"])
+
+
+def test_a_moved_tag_pulled_again_rebuilds_the_snapshots_built_on_it(
+    pytester: pytest.Pytester,
+    run_forkd: Callable[..., pytest.RunResult],
+    registry: Registry,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from oci_images import push, write_busybox_image
+
+    reference = registry.reference("forkd-tests/moving:1")
+    push(write_busybox_image(tmp_path / "first", tag="1"), reference)
+    (pytester.path / "forkd.yaml").write_text(
+        f"settings:\n  snapshot: moving\nsnapshots:\n  moving:\n    from: {reference}\n"
+    )
+    pytester.makepyfile(
+        test_user="""
+import os
+
+def test_user(forkd_vm):
+    assert forkd_vm.exec("id -u").stdout == os.environ["EXPECTED_UID"] + "\\n"
+"""
+    )
+    monkeypatch.setenv("EXPECTED_UID", "0")
+    first = run_forkd("-s", store=tmp_path / "store")
+    first.assert_outcomes(passed=1)
+
+    push(write_busybox_image(tmp_path / "second", tag="1", user="app"), reference)  # the tag moves
+    cached = run_forkd("-s", store=tmp_path / "store")  # policy missing: the image pulled before, offline
+    cached.assert_outcomes(passed=1)
+    cached.stdout.fnmatch_lines(["*using cached snapshot 'moving'*"])
+
+    monkeypatch.setenv("EXPECTED_UID", "1000")
+    moved = run_forkd("-s", "--forkd-pull=always", store=tmp_path / "store")
+    moved.assert_outcomes(passed=1)
+    moved.stdout.fnmatch_lines(["*building snapshot 'moving'*"])

@@ -104,7 +104,10 @@ def test_empty_file_is_an_empty_project(tmp_path):
         ({"settings": {"keep_failed": "yes"}}, "forkd.yaml: settings.keep_failed: expected true or false"),
         ({"settings": {"speed": 1}}, "forkd.yaml: settings.speed: unknown key; valid keys: snapshot, backend"),
         ({"budgets": {"fork": {"p95_ms": "x"}}}, "forkd.yaml: budgets.fork.p95_ms: expected a positive number"),
-        ({"snapshot": {}}, "forkd.yaml: snapshot: unknown key; valid keys: settings, images, snapshots, budgets"),
+        (
+            {"snapshot": {}},
+            "forkd.yaml: snapshot: unknown key; did you mean 'snapshots'? valid keys: settings, images, snapshots, budgets",
+        ),
         (["a list"], "forkd.yaml: expected a mapping with keys settings, images, snapshots, budgets"),
     ],
 )
@@ -135,3 +138,67 @@ def test_example_project_is_valid():
     project = load_project(examples / "forkd.yaml")
     assert "tools" in project.snapshots
     assert yaml.safe_load((examples / "forkd.yaml").read_text())["snapshots"]["tools"]["from"] == "base"
+
+
+# -- every mistake in one run -------------------------------------------------------------------------
+
+
+def test_two_mistakes_are_reported_together_each_with_the_key_meant(tmp_path):
+    """A misspelt top-level key and a misspelt budget field: one run, one error, a line for each."""
+    path = write(tmp_path, "snapshot:\n  web: {}\nbudgets:\n  fork: {p95: 300}\n")
+    with pytest.raises(ConfigError) as error:
+        load_project(path)
+    assert str(error.value).splitlines() == [
+        "forkd.yaml: snapshot: unknown key; did you mean 'snapshots'? valid keys: settings, images, snapshots, budgets",
+        "forkd.yaml: budgets.fork.p95: unknown key 'p95'; did you mean 'p95_ms'? "
+        "valid keys: p50_ms, p95_ms, p99_ms, max_ms, mean_ms, backends",
+    ]
+
+
+def test_every_section_is_checked_after_a_mistake(tmp_path):
+    data = {
+        "settings": {"pool": -1, "backend": "full", "keep_faild": True},
+        "images": {"tools": {"packages": ["jq", "Not A Package"], "setpu": ["true"]}},
+        "snapshots": {
+            "web": {"from": "tools-snap", "memory_mib": 0, "setup": "not a list", "env": {"A=B": "x"}},
+            "tools-snap": {"vcpus": "two", "shared": "yes"},
+        },
+        "budgets": {"frok": {"p95_ms": 1}, "exec": {"max_ms": -3}},
+    }
+    with pytest.raises(ConfigError) as error:
+        parse(tmp_path, data)
+    lines = str(error.value).splitlines()
+    expected = [
+        "forkd.yaml: settings.keep_faild: unknown key; did you mean 'keep_failed'?",
+        "forkd.yaml: settings.pool: expected a whole number >= 0",
+        "forkd.yaml: images.tools.setpu: unknown key; did you mean 'setup'?",
+        "forkd.yaml: images.tools.packages[1]: 'Not A Package' is not a Debian package name",
+        "forkd.yaml: snapshots.web.memory_mib: expected a whole number >= 1",
+        "forkd.yaml: snapshots.web.env.A=B: expected a variable name without '='",
+        "forkd.yaml: snapshots.web.setup: expected a list of shell commands",
+        "forkd.yaml: snapshots.tools-snap.vcpus: expected a whole number >= 1",
+        "forkd.yaml: snapshots.tools-snap.shared: expected true or false",
+        "forkd.yaml: budgets.frok: unknown operation 'frok'; did you mean 'fork'?",
+        "forkd.yaml: budgets.exec.max_ms: expected a positive number",
+    ]
+    assert len(lines) == len(expected), lines
+    for line, start in zip(lines, expected):
+        assert line.startswith(start), (line, start)
+
+
+def test_a_snapshot_starting_from_one_with_mistakes_is_not_reported_as_well(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        parse(tmp_path, {"snapshots": {"tools": {"vcpus": 0}, "web": {"from": "tools"}}})
+    assert str(error.value) == "forkd.yaml: snapshots.tools.vcpus: expected a whole number >= 1, got int 0"
+
+
+def test_an_unknown_source_gets_the_declared_snapshot_meant(tmp_path):
+    with pytest.raises(ConfigError, match=r"snapshots\.web\.from: unknown snapshot 'tool'; did you mean 'tools'\?"):
+        parse(tmp_path, {"snapshots": {"tools": {}, "web": {"from": "tool"}}})
+
+
+def test_a_loop_is_reported_once(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        parse(tmp_path, {"snapshots": {"a": {"from": "b"}, "b": {"from": "a"}, "c": {"from": "a"}}})
+    (line,) = str(error.value).splitlines()
+    assert "snapshots start from each other in a loop: a -> b -> a" in line

@@ -4,10 +4,12 @@ import pytest
 import yaml
 
 from pytest_forkd.errors import ConfigError
+from pytest_forkd.latency import timings
 from pytest_forkd.latency.budgets import (
     MARKER_HELP,
     Budget,
     budget_from_cli,
+    budgets_from_cli,
     budgets_from_config,
     budgets_from_marker,
     check,
@@ -56,9 +58,13 @@ def test_budgets_from_config_accepts_no_budgets():
         ({"fork": {"p95_ms": None}}, "budgets.fork.p95_ms: expected a positive number, got None"),
         (
             {"fork": {"p90_ms": 5}},
-            "budgets.fork.p90_ms: unknown key 'p90_ms'; valid keys: p50_ms, p95_ms, p99_ms, max_ms, mean_ms, backends",
+            "budgets.fork.p90_ms: unknown key 'p90_ms'; did you mean 'p99_ms'? "
+            "valid keys: p50_ms, p95_ms, p99_ms, max_ms, mean_ms, backends",
         ),
-        ({"forks": {"p95_ms": 5}}, "budgets.forks: unknown operation 'forks'; valid operations: fork, branch_pause,"),
+        (
+            {"forks": {"p95_ms": 5}},
+            "budgets.forks: unknown operation 'forks'; did you mean 'fork'? valid operations: fork, branch_pause,",
+        ),
         ({"fork": 200}, "budgets.fork: expected a mapping such as {p95_ms: 200}, got 200"),
         ({"fork": {"backends": ["diff"]}}, "budgets.fork.backends: expected a mapping of backend name to limits"),
         ({"fork": {"backends": {"diff": 40}}}, "budgets.fork.backends.diff: expected a mapping such as {p95_ms: 40}"),
@@ -139,7 +145,11 @@ def test_budgets_from_marker_bound_the_max_of_each_operation_in_the_test():
     [
         ((300,), {}, "takes keyword arguments only"),
         ((), {}, "give at least one limit"),
-        ((), {"fork": 300}, "unknown argument 'fork'; valid arguments: fork_ms, branch_pause_ms,"),
+        (
+            (),
+            {"fork": 300},
+            "unknown argument 'fork'; did you mean 'fork_ms'? valid arguments: fork_ms, branch_pause_ms,",
+        ),
         ((), {"fork_ms": "300ms"}, "fork_ms: expected a positive number, got '300ms'"),
     ],
 )
@@ -199,3 +209,44 @@ def test_check_per_test_budget_only_sees_that_test():
 
 def test_check_ignores_budgets_without_samples():
     assert check([Budget("restore", "p50", 1, source="cli")], _samples("fork", [1000])) == []
+
+
+def test_every_budget_mistake_of_forkd_yaml_is_reported_in_one_error():
+    with pytest.raises(ConfigError) as excinfo:
+        budgets_from_config(
+            {"frok": {"p95_ms": 1}, "fork": {"p95": 5, "max_ms": "x", "backends": {"diff": {"p59_ms": 2}}}}
+        )
+    lines = str(excinfo.value).splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "budgets.frok",
+        "budgets.fork.p95",
+        "budgets.fork.max_ms",
+        "budgets.fork.backends.diff.p59_ms",
+    ]
+    assert "did you mean 'fork'?" in lines[0] and "did you mean 'p95_ms'?" in lines[1]
+    assert lines[3].endswith("valid keys: p50_ms, p95_ms, p99_ms, max_ms, mean_ms")  # no backends under a backend
+
+
+def test_a_misspelt_operation_and_statistic_on_the_command_line_are_both_named():
+    with pytest.raises(ConfigError) as excinfo:
+        budget_from_cli("frok.p59=30")
+    lines = str(excinfo.value).splitlines()
+    assert lines == [
+        "--forkd-budget 'frok.p59=30': unknown operation 'frok'; did you mean 'fork'? valid operations: "
+        + ", ".join(timings.KNOWN_OPS),
+        "--forkd-budget 'frok.p59=30': unknown statistic 'p59'; did you mean 'p99'? "
+        "valid statistics: p50, p95, p99, max, mean",
+    ]
+
+
+def test_every_bad_command_line_budget_is_reported_together():
+    assert [b.key for b in budgets_from_cli(["fork.p95=300", "exec.max=1s"])] == [
+        ("fork", "p95", None, None),
+        ("exec", "max", None, None),
+    ]
+    with pytest.raises(ConfigError) as excinfo:
+        budgets_from_cli(["fork.p95=300", "fork.p95", "exec.mx=5"])
+    lines = str(excinfo.value).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("--forkd-budget 'fork.p95': expected OP.STAT=VALUE")
+    assert lines[1].startswith("--forkd-budget 'exec.mx=5': unknown statistic 'mx'; did you mean 'max'?")

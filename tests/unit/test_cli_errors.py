@@ -84,6 +84,20 @@ def test_a_multi_line_error_keeps_its_first_line_and_says_where_the_rest_is(
     assert err == "forkd: error: VM vm1: guest died (3 more lines of detail with --debug)\n"
 
 
+def test_every_mistake_of_a_config_error_is_an_error_line_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mistakes = "forkd.yaml: snapshot: unknown key; did you mean 'snapshots'?\nforkd.yaml: budgets.fork.p95: unknown key"
+    fake_command(monkeypatch, ConfigError(mistakes))
+
+    assert cli.main(["boom"]) != 0  # the status of a usage error
+
+    assert capsys.readouterr().err.splitlines() == [
+        "forkd: error: forkd.yaml: snapshot: unknown key; did you mean 'snapshots'?",
+        "forkd: error: forkd.yaml: budgets.fork.p95: unknown key",
+    ]
+
+
 @pytest.mark.parametrize("argv", [["--debug", "boom"], ["boom", "--debug"]])
 def test_debug_prints_the_traceback_and_the_whole_message(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]

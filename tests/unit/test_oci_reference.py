@@ -133,5 +133,7 @@ def test_non_text_is_refused() -> None:
         ("other.lan", ("registry.lan",), False),
     ],
 )
-def test_plain_http_only_on_this_machine_or_when_listed(registry: str, insecure: tuple[str, ...], allowed: bool) -> None:
+def test_plain_http_only_on_this_machine_or_when_listed(
+    registry: str, insecure: tuple[str, ...], allowed: bool
+) -> None:
     assert plain_http_allowed(registry, insecure) is allowed

@@ -226,7 +226,7 @@ def test_a_misspelt_action_is_refused_with_the_choices(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as exited:
         run("snapshots", "lst")
 
-    assert exited.value.code == 2
+    assert exited.value.code != 0
     err = capsys.readouterr().err
     assert "invalid choice: 'lst'" in err and "'ls', 'list'" in err
 

@@ -126,6 +126,8 @@ class QemuEngine:
 
     def fingerprint(self, image: Any, spec: MachineSpec) -> dict[str, str]:
         fingerprint = {"qemu": spec.qemu.version, "machine": spec.fingerprint(), "image": image.key}
+        if getattr(image, "digest", None):  # a container image: the snapshot records what it was made of
+            fingerprint["image_digest"] = image.digest
         if spec.accel == "kvm":  # -cpu host: the guest saw this CPU's features; another CPU must refuse it
             from pytest_forkd.engine.cpu import host_cpu_id
 

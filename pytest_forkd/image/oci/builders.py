@@ -42,7 +42,7 @@ from .importer import import_image
 from .reference import ImageReference
 from .store import PulledImage, PullPolicy, check_policy
 
-__all__ = ["BUILDERS", "available_builders", "build_dockerfile"]
+__all__ = ["BUILDERS", "available_builders", "build_dockerfile", "build_tag"]
 
 BUILDERS = ("podman", "docker", "buildah")
 DOCKERFILE_NAMES = ("Dockerfile", "Containerfile")
@@ -115,6 +115,12 @@ def build_stamp(dockerfile: Path, context: Path, args: Mapping[str, str]) -> str
     return "build:" + digest.hexdigest()
 
 
+def build_tag(dockerfile: Path) -> str:
+    """The builder's tag of the image built from ``dockerfile`` (kept, so that its cache serves the next build)."""
+    key = str(ImageReference("dockerfile", str(_dockerfile_path(dockerfile))))
+    return f"localhost/forkd-build/{hashlib.sha256(key.encode()).hexdigest()[:16]}:latest"
+
+
 def build_dockerfile(
     dockerfile: Path,
     *,
@@ -151,7 +157,7 @@ def build_dockerfile(
                 f"{key} was never built and the pull policy is 'never'; build it with `forkd image pull {key}`"
             )
     name = _choose_builder(builder, key)
-    tag = f"localhost/forkd-build/{hashlib.sha256(key.encode()).hexdigest()[:16]}:latest"
+    tag = build_tag(dockerfile)
     workdir = private.make_dir(store.store_dir() / "tmp")
     with tempfile.TemporaryDirectory(prefix="build-", dir=workdir) as scratch:
         archive = Path(scratch) / "image.tar"

@@ -106,9 +106,7 @@ def _copy_verified(
 
 
 def _inspect_raw(source: str, tls: list[str], *, key: str, registry: str | None) -> bytes:
-    status, output, errors = skopeo.run(
-        ["inspect", "--raw", "--retry-times", "2", *tls, source], store.store_dir(), timeout=INSPECT_TIMEOUT
-    )
+    status, output, errors = skopeo.run(["inspect", "--raw", *tls, source], store.store_dir(), timeout=INSPECT_TIMEOUT)
     if status != 0:
         raise skopeo.classify(errors, source=key, registry=registry, store=store.store_dir())
     return output

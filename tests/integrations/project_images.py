@@ -1,0 +1,129 @@
+"""Container images of a small project for the harness tests: Debian with a failing test, and a non-root user.
+
+Built in Python (:mod:`oci_images`) from Debian packages, pushed with skopeo to
+the tests' real registry (:mod:`registry`), as a harness's task would name
+them:
+
+- ``project``: Debian (bash, python3, coreutils, adduser, passwd) with a
+  project in ``/srv/project`` whose test fails (``calc.add`` subtracts), its
+  config ``WorkingDir /srv/project`` and ``Env PROJECT=calc``;
+- ``agent``: the same Debian root with a user ``agent`` (uid 1000) as its
+  ``User`` and ``/home/agent`` as its ``WorkingDir``, for Inspect's
+  conformance suite, which needs a non-root user and ``adduser``.
+
+Both share their Debian layer, so the registry and forkd's store keep it once.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+from oci_images import DEFAULT_PATH, ImageConfigSpec, LayerTar, debian_root, default_image_packages, push, write_layout
+from registry import Registry
+
+#: Beyond the default guest image's packages (bash, python3): what a Debian image a task ships usually has.
+EXTRA_PACKAGES = ("coreutils", "adduser", "passwd", "login", "perl-base", "findutils", "grep", "sed")
+
+BUGGY_CALC = "def add(a, b):\n    return a - b\n"
+FIXED_CALC = "def add(a, b):\n    return a + b\n"
+TEST_CALC = """\
+import unittest
+
+from calc import add
+
+
+class AddTest(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+
+
+if __name__ == "__main__":
+    unittest.main()
+"""
+#: What proves a guest runs the project image (a file only its top layer has).
+IMAGE_MARK = "/etc/forkd-project"
+IMAGE_MARK_TEXT = "the project image\n"
+
+
+@functools.lru_cache(maxsize=1)
+def debian_packages() -> tuple[str, ...]:
+    """The default image's packages and :data:`EXTRA_PACKAGES` with their dependencies, downloaded once."""
+    from pytest_forkd import paths
+    from pytest_forkd.image import load_default_recipe
+    from pytest_forkd.image.debian import select_packages
+
+    recipe = load_default_recipe()
+    roots = tuple(dict.fromkeys([*default_image_packages(), *EXTRA_PACKAGES]))
+    selection = select_packages(
+        recipe.release, recipe.kernel, roots, ("dpkg", "debconf", "tzdata"), paths.debs_dir(), lambda line: None
+    )
+    return tuple(package.name for package in selection.packages)
+
+
+@functools.lru_cache(maxsize=1)
+def debian_layer() -> bytes:
+    """The Debian root as one uncompressed layer (its users: root and ``agent``, with shadow entries)."""
+    with tempfile.TemporaryDirectory(prefix="forkd-project-image-") as folder:
+        root = debian_root(Path(folder) / "root", debian_packages())
+        etc = root / "etc"
+        (etc / "passwd").write_text(
+            "root:x:0:0:root:/root:/bin/bash\nagent:x:1000:1000:agent:/home/agent:/bin/bash\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        )
+        (etc / "group").write_text("root:x:0:\nshadow:x:42:\nusers:x:100:\nagent:x:1000:\nnogroup:x:65534:\n")
+        (etc / "shadow").write_text("root:*:19000:0:99999:7:::\nagent:!:19000:0:99999:7:::\nnobody:*:19000::::::\n")
+        (etc / "gshadow").write_text("root:*::\nshadow:*::\nusers:*::\nagent:!::\nnogroup:*::\n")
+        (etc / "shadow").chmod(0o640)
+        (etc / "gshadow").chmod(0o640)
+        return LayerTar().tree(root).tar()
+
+
+def project_layer(calc: str = BUGGY_CALC) -> LayerTar:
+    return (
+        LayerTar()
+        .dir("srv")
+        .dir("srv/project")
+        .file("srv/project/calc.py", calc)
+        .file("srv/project/test_calc.py", TEST_CALC)
+        .file(IMAGE_MARK.lstrip("/"), IMAGE_MARK_TEXT)
+        .dir("home/agent", uid=1000, gid=1000)
+    )
+
+
+def push_project_image(registry: Registry, folder: Path, *, name: str = "forkd-tests/project:1") -> str:
+    """Push the project image; its bare reference ``127.0.0.1:PORT/NAME`` (a compose file's ``image:``)."""
+    config = ImageConfigSpec(
+        env=(f"PATH={DEFAULT_PATH}", "PROJECT=calc", "LANG=C.UTF-8"), working_dir="/srv/project", cmd=("bash",)
+    )
+    written = write_layout(
+        folder / "layout", [(debian_layer(), "none"), (project_layer(), "gzip")], config=config, tag="1"
+    )
+    push(written, registry.reference(name))
+    return f"{registry.host}/{name}"
+
+
+def push_agent_image(registry: Registry, folder: Path, *, name: str = "forkd-tests/agent:1") -> str:
+    """Push the image whose ``User`` is ``agent`` (uid 1000); its bare reference."""
+    config = ImageConfigSpec(
+        env=(f"PATH={DEFAULT_PATH}", "LANG=C.UTF-8"), working_dir="/home/agent", user="agent", cmd=("bash",)
+    )
+    written = write_layout(
+        folder / "layout", [(debian_layer(), "none"), (project_layer(), "gzip")], config=config, tag="1"
+    )
+    push(written, registry.reference(name))
+    return f"{registry.host}/{name}"
+
+
+@pytest.fixture(scope="session")
+def project_image(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``127.0.0.1:PORT/forkd-tests/project:1``: Debian with a project whose test fails (bare, as compose names it)."""
+    return push_project_image(registry, tmp_path_factory.mktemp("project-image"))
+
+
+@pytest.fixture(scope="session")
+def agent_image(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``127.0.0.1:PORT/forkd-tests/agent:1``: the project's Debian with ``User: agent`` and ``adduser``."""
+    return push_agent_image(registry, tmp_path_factory.mktemp("agent-image"))

@@ -1,0 +1,247 @@
+"""``pytest --forkd-isolate`` without a VM: its settings and marker, what goes into the guest, and its reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_forkd.errors import ConfigError
+from pytest_forkd.plugin import isolate_plan, isolate_reports
+from pytest_forkd.plugin.isolate_options import DEFAULT_TIMEOUT_S, IsolateSettings, isolated_test, parse_timeout
+
+pytest_plugins = ["pytester"]
+
+
+# -- settings and marker -------------------------------------------------------------------------
+def collect(pytester: pytest.Pytester, *args: str, source: str = "def test_x():\n    pass\n") -> list[pytest.Item]:
+    pytester.makepyfile(test_x=source)
+    items, _ = pytester.inline_genitems(*args)
+    return items
+
+
+def resolved(pytester: pytest.Pytester, *args: str, environ: dict[str, str] | None = None) -> IsolateSettings:
+    from pytest_forkd.plugin.isolate_options import resolve
+
+    config = pytester.parseconfigure(*args)
+    return resolve(config, environ or {})
+
+
+def test_isolation_is_off_unless_asked(pytester: pytest.Pytester) -> None:
+    assert resolved(pytester) == IsolateSettings(enabled=False, timeout=DEFAULT_TIMEOUT_S)
+
+
+def test_the_command_line_wins_over_env_which_wins_over_ini(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nforkd_isolate = false\nforkd_isolate_timeout = 30\n")
+    assert resolved(pytester).enabled is False
+    assert resolved(pytester).timeout == 30
+    assert resolved(pytester, environ={"PYTEST_FORKD_ISOLATE": "1"}).enabled is True
+    assert resolved(pytester, environ={"PYTEST_FORKD_ISOLATE_TIMEOUT": "12.5"}).timeout == 12.5
+    assert resolved(pytester, "--forkd-isolate", environ={"PYTEST_FORKD_ISOLATE": "0"}).enabled is True
+    assert resolved(pytester, "--forkd-isolate-timeout=7", environ={"PYTEST_FORKD_ISOLATE_TIMEOUT": "9"}).timeout == 7
+
+
+def test_ini_turns_it_on_and_lists_paths_and_exclusions(pytester: pytest.Pytester) -> None:
+    pytester.makeini(
+        "[pytest]\nforkd_isolate = true\nforkd_isolate_paths = src\n  tests\nforkd_isolate_exclude = *.log\n"
+    )
+    assert resolved(pytester) == IsolateSettings(enabled=True, paths=("src", "tests"), exclude=("*.log",))
+
+
+def test_a_bad_value_names_where_it_was_set(pytester: pytest.Pytester) -> None:
+    with pytest.raises(ConfigError, match="PYTEST_FORKD_ISOLATE: expected one of"):
+        resolved(pytester, environ={"PYTEST_FORKD_ISOLATE": "perhaps"})
+    with pytest.raises(ConfigError, match="--forkd-isolate-timeout: expected a number of seconds > 0"):
+        resolved(pytester, "--forkd-isolate-timeout=-1")
+    with pytest.raises(ConfigError, match="forkd_isolate_timeout"):
+        parse_timeout("soon", "ini forkd_isolate_timeout")
+
+
+def test_the_marker_selects_a_test_and_sets_fresh_and_timeout(pytester: pytest.Pytester) -> None:
+    source = (
+        "import pytest\n\n"
+        "def test_plain():\n    pass\n\n"
+        "@pytest.mark.forkd_isolate\ndef test_marked():\n    pass\n\n"
+        "@pytest.mark.forkd_isolate(fresh=True, timeout=30)\ndef test_fresh():\n    pass\n\n"
+        "def test_drives_vms(forkd_vm):\n    pass\n"
+    )
+    items = {item.name: item for item in collect(pytester, source=source)}
+    off = IsolateSettings()
+    assert isolated_test(items["test_plain"], off) is None
+    marked = isolated_test(items["test_marked"], off)
+    assert marked is not None and (marked.fresh, marked.timeout, marked.file) == (False, DEFAULT_TIMEOUT_S, "test_x.py")
+    fresh = isolated_test(items["test_fresh"], off)
+    assert fresh is not None and (fresh.fresh, fresh.timeout) == (True, 30)
+    on = IsolateSettings(enabled=True)
+    assert isolated_test(items["test_plain"], on) is not None
+    assert isolated_test(items["test_drives_vms"], on) is None  # forkd's own fixtures run on the host
+
+
+@pytest.mark.parametrize(
+    ("marker", "message"),
+    [
+        ("forkd_isolate(True)", "takes keyword arguments only"),
+        ("forkd_isolate(fast=True)", "unknown argument(s) fast; valid arguments: fresh, timeout"),
+        ("forkd_isolate(fresh='yes')", "fresh: expected True or False"),
+        ("forkd_isolate(timeout=0)", "timeout: expected a number of seconds > 0"),
+    ],
+)
+def test_a_bad_marker_is_a_usage_error_naming_the_test(pytester: pytest.Pytester, marker: str, message: str) -> None:
+    pytester.makepyfile(test_bad=f"import pytest\n\n@pytest.mark.{marker}\ndef test_it():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*forkd_isolate marker on test_bad.py::test_it: *{message}*"])
+
+
+def test_pytest_help_lists_the_options_in_the_vms_group(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    text = result.stdout.str()
+    group = text.index("pytest-forkd: VMs and snapshots")
+    assert group < text.index("--forkd-isolate ") < text.index("--forkd-isolate-timeout")
+    assert "forkd_isolate_paths" in text and "forkd_isolate_exclude" in text
+
+
+def test_the_marker_is_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.forkd_isolate(fresh=False, timeout=None):*"])
+
+
+# -- what goes into the guest ----------------------------------------------------------------------
+def test_the_rootdir_is_copied_without_vcs_virtualenvs_and_caches(tmp_path: Path) -> None:
+    (tmp_path / "env").mkdir()
+    (tmp_path / "env" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (tmp_path / "tools" / "venv2").mkdir(parents=True)
+    (tmp_path / "tools" / "venv2" / "pyvenv.cfg").write_text("")
+    (tmp_path / "src").mkdir()
+    (copy,) = isolate_plan.copies(isolate_plan.copied_paths(tmp_path, (), None), ["*.log"])
+    assert copy.path == tmp_path
+    assert {".git", ".venv", "__pycache__", "*.pyc", ".tox", ".pytest_cache", "*.log"} <= set(copy.exclude)
+    assert {"env", "tools/venv2"} <= set(copy.exclude)
+    assert "src" not in copy.exclude
+
+
+def test_configured_paths_are_copied_and_the_ini_file_goes_along(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "tests").mkdir()
+    ini = tmp_path / "pytest.ini"
+    assert isolate_plan.copied_paths(project, ["src", "tests"], ini) == [project / "src", project / "tests", ini]
+    with pytest.raises(ConfigError, match="'docs' does not exist under the rootdir"):
+        isolate_plan.copied_paths(project, ["docs"], None)
+
+
+@pytest.mark.parametrize("path", ["/", "/usr/src/app", "/etc/project", "/opt", "/proc/1"])
+def test_a_project_on_the_guests_own_system_paths_is_refused(path: str) -> None:
+    with pytest.raises(ConfigError, match="is the guest system's own"):
+        isolate_plan.check_guest_path(Path(path), "pytest --forkd-isolate")
+
+
+def test_a_test_file_outside_the_copies_is_refused(tmp_path: Path) -> None:
+    copies = isolate_plan.copies([tmp_path / "src"], [])
+    with pytest.raises(ConfigError, match="add it to ini forkd_isolate_paths"):
+        isolate_plan.test_files([tmp_path / "tests" / "test_x.py"], copies)
+    inside = tmp_path / "src" / "test_y.py"
+    assert isolate_plan.test_files([inside, inside], copies) == [str(inside)]
+
+
+def test_the_guest_gets_the_settings_that_shape_reports_not_the_host_only_ones(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        "def pytest_addoption(parser):\n    parser.addoption('--run-slow', action='store_true', default=False)\n"
+    )
+    pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
+    config = pytester.parseconfigure(
+        "-vv", "--tb=short", "-l", "-x", "-k", "expr", "--junitxml=out.xml", "-o", "xfail_strict=true",
+        "-W", "error", "--doctest-modules", "-p", "no:randomly", "--run-slow",
+    )  # fmt: skip
+    args = isolate_plan.guest_arguments(config, ["/p/test_x.py"])
+    assert args[:2] == ["--rootdir", str(config.rootpath)]
+    assert ["-o", "addopts="] == args[4:6]
+    for expected in (["-o", "xfail_strict=true"], ["-W", "error"], ["-p", "no:randomly"], ["-p", "no:terminal"]):
+        assert any(args[i : i + 2] == expected for i in range(len(args))), (expected, args)
+    assert "--doctest-modules" in args and args[-1] == "/p/test_x.py"
+    assert not {"-x", "-k", "expr", "--junitxml=out.xml"} & set(args)
+    options = isolate_plan.guest_options(config)
+    assert options["verbose"] == 2 and options["tbstyle"] == "short" and options["showlocals"] is True
+    assert options["run_slow"] is True
+
+
+def test_the_plan_runs_pytest_from_the_same_directory_with_pythonpath(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\n")
+    test_file = pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    config = pytester.parseconfigure()
+    plan = isolate_plan.plan(config, [test_file], configured_paths=(), exclude=(), environ={"PYTHONPATH": "src"})
+    assert plan.cwd == str(pytester.path)
+    assert plan.spec["sys_path"] == [str(pytester.path)]
+    assert plan.env == {"PYTHONPATH": "src"}
+    assert plan.command() == ["python3", isolate_plan.RUNNER_PATH, isolate_plan.SPEC_PATH]
+
+
+# -- reports -----------------------------------------------------------------------------------
+def phases(reports: list[pytest.TestReport]) -> list[tuple[str, str]]:
+    return [(report.when, report.outcome) for report in reports]
+
+
+@pytest.fixture
+def item(pytester: pytest.Pytester) -> pytest.Item:
+    (found,) = collect(pytester)
+    return found
+
+
+def test_a_report_from_the_guest_reads_back_as_the_hosts_own(item: pytest.Item) -> None:
+    data: dict[str, Any] = item.config.hook.pytest_report_to_serializable(
+        config=item.config, report=isolate_reports.made_here(item, "call", "failed", "assert 1 == 2")
+    )
+    data["nodeid"] = "elsewhere::test_x"
+    report = isolate_reports.from_guest(item.config, item, data)
+    assert (report.nodeid, report.location, report.outcome) == (item.nodeid, item.location, "failed")
+    assert report.longreprtext == "assert 1 == 2"
+
+
+def test_a_test_whose_vm_died_fails_in_the_phase_it_reached(item: pytest.Item) -> None:
+    setup = isolate_reports.made_here(item, "setup", "passed")
+    assert phases(isolate_reports.completed(item, [setup], "GuestCrashed: kernel panic")) == [
+        ("setup", "passed"),
+        ("call", "failed"),
+        ("teardown", "passed"),
+    ]
+    assert phases(isolate_reports.completed(item, [], "RunnerFailed: boom")) == [
+        ("setup", "failed"),
+        ("teardown", "passed"),
+    ]
+    call = isolate_reports.made_here(item, "call", "passed")
+    completed = isolate_reports.completed(item, [setup, call], "GuestCrashed: died in teardown")
+    assert phases(completed)[-1] == ("teardown", "failed")
+    assert completed[-1].longreprtext == "GuestCrashed: died in teardown"
+    assert isolate_reports.completed(item, [setup, call], None) == [setup, call]
+
+
+def test_the_parents_teardown_joins_the_tests_teardown_report(item: pytest.Item) -> None:
+    teardown = isolate_reports.made_here(item, "teardown", "passed", sections=[("Captured stdout teardown", "a")])
+    parent = isolate_reports.made_here(
+        item, "teardown", "failed", "module fixture teardown broke", [("Captured stdout teardown", "b")]
+    )
+    (joined,) = isolate_reports.with_parent_teardown([teardown], parent)
+    assert joined.outcome == "failed" and joined.longreprtext == "module fixture teardown broke"
+    assert joined.sections == [
+        ("Captured stdout teardown", "a"),
+        ("Captured stdout teardown (in the parent VM)", "b"),
+    ]
+    quiet = isolate_reports.made_here(item, "teardown", "passed")
+    untouched = isolate_reports.made_here(item, "teardown", "passed")
+    assert isolate_reports.with_parent_teardown([untouched], quiet)[0].sections == []
+
+
+def test_a_warning_from_the_guest_is_recorded_on_the_host(item: pytest.Item) -> None:
+    recorded: list[Any] = []
+
+    class Recorder:
+        def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str, location: Any) -> None:
+            recorded.append((warning_message.category, str(warning_message.message), nodeid))
+
+    item.config.pluginmanager.register(Recorder(), "recorder")
+    isolate_reports.replay_warning(
+        item.config, item, {"category": "DeprecationWarning", "message": "old", "filename": "x.py", "lineno": 3}
+    )
+    isolate_reports.replay_warning(item.config, item, {"category": "SomeLibraryWarning", "message": "odd"})
+    assert recorded == [(DeprecationWarning, "old", item.nodeid), (UserWarning, "odd", item.nodeid)]
