@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``forkd`` command; returns the exit status.
 
     The error boundary of the command line: any exception a command lets
-    out becomes one line on stderr and exit status 2 (a ForkdError says what
+    out becomes one line on stderr and an exit status (a ForkdError says what
     to do; anything else is reported as an internal error). ``--debug`` (or
     ``FORKD_DEBUG=1``) prints the traceback too.
     """

@@ -11,7 +11,7 @@ noise-guarded regression, so the command can gate CI on its own. Several
 CURRENT runs (one per CI shard), or a directory of them, are merged into one
 first (:mod:`pytest_forkd.latency.shards`); so is a BASELINE directory. Runs of a
 different machine, accelerator, backend or QEMU version are warned about, or
-refused with ``--strict`` (exit 2).
+refused with ``--strict`` (exit 4).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--strict",
         action="store_true",
-        help="refuse (exit 2) to compare runs of a different machine, accelerator, backend or QEMU version "
+        help="refuse (exit 4) to compare runs of a different machine, accelerator, backend or QEMU version "
         "instead of warning",
     )
     p.set_defaults(run=run)

@@ -30,6 +30,7 @@ def __getattr__(name: str) -> object:
         return getattr(container, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "Image",
     "Recipe",

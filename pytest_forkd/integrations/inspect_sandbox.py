@@ -71,12 +71,14 @@ from pytest_forkd.integrations.image_sessions import ImageDefaults, ImageGuest, 
 from pytest_forkd.integrations.inspect_support import (
     CONFIG_FILES,
     DEFAULT_WORKDIR,
+    STDIN_WRITE_LIMIT,
     ForkdSandboxConfig,
     ForkdSandboxError,
     ImageSample,
     argv_script,
     argv_too_large,
     config_path,
+    copy_as_user,
     decode_text,
     deserialize_config,
     exec_result,
@@ -509,7 +511,15 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
         path = guest_path(file, self.workdir)
         if not is_root(self.user):
             data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
-            written = await self._as_user(write_as_user(path), file, stdin=data)
+            if len(data) <= STDIN_WRITE_LIMIT:
+                written = await self._as_user(write_as_user(path), file, stdin=data)
+            else:
+                upload = f"/tmp/.forkd-upload-{secrets.token_hex(8)}"
+                await self.vm.write_file(upload, data, mode=0o644)
+                try:
+                    written = await self._as_user(copy_as_user(path, upload), file)
+                finally:
+                    await self.vm.exec(["rm", "-f", "--", upload], user="0")
             if not written.ok:
                 raise file_error(written.stderr, file)
             return

@@ -62,6 +62,8 @@ METADATA_PREFIX = "SAMPLE_METADATA_"
 ROOT_USERS = frozenset({"root", "0"})
 #: Prefix of what the guest agent writes when it cannot start a command (not the command's own output).
 AGENT_EXEC_PREFIX = "forkd-exec: exec: "
+#: Prefix of what the agent's user switch writes when it cannot start a command as another user.
+USER_SWITCH_PREFIX = "nsenter: can't execute "
 #: The fields of :class:`ForkdSandboxConfig` a user writes (``session`` is set by the pytest plugin).
 CONFIG_FIELDS = ("config", "snapshot")
 #: How every line of a sandbox's error starts.
@@ -283,12 +285,16 @@ def argv_script(argv: list[str]) -> str:
 
 
 def launch_error(argv: list[str], result: GuestResult) -> PermissionError | None:
-    """PermissionError when the guest agent could not start ``argv[0]`` because it is not executable."""
+    """PermissionError when the guest agent could not start ``argv[0]`` because it is not executable.
+
+    As root the agent says so itself; as another user, the user switch
+    (busybox's ``nsenter``) that was to become the command does.
+    """
     stderr = result.stderr.strip()
     if (
         result.exit_code == 126
         and not result.stdout_bytes
-        and stderr.startswith(AGENT_EXEC_PREFIX)
+        and (stderr.startswith(AGENT_EXEC_PREFIX) or stderr.startswith(f"{USER_SWITCH_PREFIX}'{argv[0]}'"))
         and "\n" not in stderr
         and stderr.endswith("Permission denied")
     ):
@@ -347,9 +353,21 @@ def os_error(exc: GuestOSError, path: str) -> OSError:
 WRITE_AS_USER = 'd=${1%/*}; if [ -n "$d" ] && [ "$d" != "$1" ]; then mkdir -p -- "$d" || exit 1; fi; cat > "$1"'
 
 
+#: Above this many bytes, ``write_file`` as another user copies a file the agent uploaded (streamed to the
+#: guest's disk) rather than sending the contents as the command's stdin, which the agent holds in memory.
+STDIN_WRITE_LIMIT = 1 << 20
+#: Copies "$2" into "$1" in place, making its folder first: the large ``write_file`` as another user.
+COPY_AS_USER = 'd=${1%/*}; if [ -n "$d" ] && [ "$d" != "$1" ]; then mkdir -p -- "$d" || exit 1; fi; cat -- "$2" > "$1"'
+
+
 def write_as_user(path: str) -> list[str]:
     """The command that writes its stdin to ``path`` as the user it runs as."""
     return ["/bin/sh", "-c", WRITE_AS_USER, "forkd-write", path]
+
+
+def copy_as_user(path: str, source: str) -> list[str]:
+    """The command that copies ``source`` (readable by everyone) into ``path`` as the user it runs as."""
+    return ["/bin/sh", "-c", COPY_AS_USER, "forkd-write", path, source]
 
 
 def read_as_user(path: str) -> list[str]:

@@ -18,11 +18,12 @@ forkd's own: ``snapshot`` and ``config`` (a forkd.yaml) instead of an image,
 and ``pool``.
 
 Every environment of an image is a copy-on-write child of one warm parent per
-image and process: the image is pulled (or built) and booted once, then each
-environment costs a fork. The parents of the last few images used stay warm
-after their environments are cleaned up (:data:`KEEP_IDLE_IMAGES`), so a run
-over many tasks of the same images never boots again; all of them close at
-interpreter exit.
+image and process: the image is pulled (or built) and booted once into a
+snapshot kept in forkd's store, and each environment costs a fork of it
+(taken from a pool restored ahead of demand while environments of the image
+are alive). When the last environment of an image is cleaned up, its session
+closes and no VM is left; the next environment of that image forks the
+stored snapshot again, without pulling or booting.
 
 :meth:`ForkdEnvironment.execute` answers as ``DockerEnvironment.execute``
 does: ``{"output", "returncode", "exception_info"}`` with stdout and stderr
@@ -42,7 +43,6 @@ import os
 import platform
 import subprocess
 import threading
-from collections import OrderedDict
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -59,14 +59,12 @@ from pytest_forkd.integrations.image_sessions import ImageGuest, open_image_sess
 from pytest_forkd.integrations.shared_sessions import SESSIONS
 from pytest_forkd.project.session import ForkdSession
 
-__all__ = ["KEEP_IDLE_IMAGES", "SUBMIT_SENTINEL", "ForkdEnvironment", "ForkdEnvironmentConfig"]
+__all__ = ["SUBMIT_SENTINEL", "ForkdEnvironment", "ForkdEnvironmentConfig"]
 
 log = logging.getLogger(__name__)
 
 #: The first output line with which an action hands in the agent's work (mini-swe-agent's convention).
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-#: Warm parents kept for images whose environments are all cleaned up (the least recently used ones close first).
-KEEP_IDLE_IMAGES = 2
 #: Runs the interpreter with its stderr into its stdout, as ``docker exec`` into one pipe gives them.
 MERGE_STREAMS = 'exec "$@" 2>&1'
 
@@ -107,48 +105,6 @@ class ForkdEnvironmentConfig(BaseModel):
         if self.config is not None:
             self.config = str(Path(os.path.expanduser(self.config)).absolute())
         return self
-
-
-class _WarmParents:
-    """The process's forkd sessions of environments, one per image; the last few idle ones are kept open.
-
-    Every live environment holds one user of its session in
-    :data:`SESSIONS`; when it is cleaned up, its user is kept on the idle list
-    instead of released (at most one per session), so the next environment of
-    that image forks at once. Past :data:`KEEP_IDLE_IMAGES` idle sessions the
-    least recently used one is released, which closes it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: OrderedDict[Hashable, None] = OrderedDict()
-
-    def acquire(self, key: Hashable, config: ForkdEnvironmentConfig) -> ForkdSession:
-        with self._lock:
-            if key in self._idle:
-                session = SESSIONS.get(key)
-                if session is not None:
-                    del self._idle[key]
-                    return session
-        return SESSIONS.acquire(key, lambda: _open(key, config))
-
-    def release(self, key: Hashable) -> None:
-        with self._lock:
-            release = [key] if key in self._idle else []
-            self._idle[key] = None
-            self._idle.move_to_end(key)
-            while len(self._idle) > KEEP_IDLE_IMAGES:
-                oldest, _ = self._idle.popitem(last=False)
-                release.append(oldest)
-        for each in release:
-            SESSIONS.release(each)
-
-    def idle(self) -> list[Hashable]:
-        with self._lock:
-            return list(self._idle)
-
-
-WARM_PARENTS = _WarmParents()
 
 
 def _session_key(config: ForkdEnvironmentConfig) -> Hashable:
@@ -198,11 +154,12 @@ class ForkdEnvironment:
         except ValueError as exc:
             raise ConfigError(f"ForkdEnvironment: {_first_error(exc)}") from None
         key = _session_key(self.config)
-        session = WARM_PARENTS.acquire(key, self.config)
+        config = self.config
+        session = SESSIONS.acquire(key, lambda: _open(key, config))
         try:
             vm = session.fork(1)[0]
         except BaseException:
-            WARM_PARENTS.release(key)
+            SESSIONS.release(key)
             raise
         self._adopt(vm, key)
 
@@ -215,7 +172,7 @@ class ForkdEnvironment:
         environment._vm = None
         environment._key = None
         environment._lock = threading.Lock()
-        WARM_PARENTS.acquire(key, config)
+        SESSIONS.acquire(key, lambda: _open(key, config))  # open: this environment's VM is its child
         environment._adopt(vm, key)
         return environment
 
@@ -303,7 +260,7 @@ class ForkdEnvironment:
         }
 
     def cleanup(self) -> None:
-        """Kill the VM (idempotent); the image's warm parent stays for the next environment."""
+        """Kill the VM (idempotent); the last environment of an image closes its session, leaving no VM."""
         with self._lock:
             vm, self._vm = self._vm, None
             key, self._key = self._key, None
@@ -312,7 +269,7 @@ class ForkdEnvironment:
                 vm.close()
         finally:
             if key is not None:
-                WARM_PARENTS.release(key)
+                SESSIONS.release(key)
 
     def __del__(self) -> None:
         try:

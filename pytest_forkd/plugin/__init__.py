@@ -45,7 +45,12 @@ Fixtures
 
 Markers
     ``forkd(snapshot=None, backend=None, memory_mib=None)``, ``forkd_dangerous``,
-    ``forkd_budget(fork_ms=..., exec_ms=..., ...)``.
+    ``forkd_budget(fork_ms=..., exec_ms=..., ...)``, ``forkd_isolate(fresh=False, timeout=None)``.
+
+Isolation: ``pytest --forkd-isolate`` (ini ``forkd_isolate``, env
+``PYTEST_FORKD_ISOLATE``) runs an existing suite's tests, unchanged, each in
+its own child VM of a parent where the suite is collected and its session-
+and module-scoped fixtures are set up once (see :mod:`pytest_forkd.plugin.isolate`).
 
 Settings precedence: marker > command line > ``PYTEST_FORKD_*`` > ini
 ``forkd_*`` > forkd.yaml ``settings:`` > default (see
@@ -84,7 +89,8 @@ resolving them), :mod:`~pytest_forkd.plugin.state` (the run's state in
 (header, failure sections, end-of-run tables, stored runs),
 :mod:`~pytest_forkd.plugin.progress` (build progress on the terminal),
 :mod:`~pytest_forkd.plugin.html_report` (``--forkd-report``),
-:mod:`~pytest_forkd.plugin.xdist` and :mod:`~pytest_forkd.project.session`
+:mod:`~pytest_forkd.plugin.xdist`, :mod:`~pytest_forkd.plugin.isolate` (with its
+``isolate_*`` modules) and :mod:`~pytest_forkd.project.session`
 (the ``forkd`` fixture's session). This module is the ``pytest11`` entry
 point: it re-exports every hook and fixture, so pytest finds them all by
 registering this one module, and ``-p no:forkd`` disables all of them.

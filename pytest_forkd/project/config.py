@@ -25,8 +25,8 @@ every machine::
           - chmod +x /usr/local/bin/lint
     snapshots:
       tools:                  # built once, cached in the snapshot store under this name
-        from: base            # another snapshot, image:NAME to boot a guest image, or a container
-                              # image: docker://REF, dockerfile:PATH, oci:DIR[:TAG], oci-archive:FILE, docker-archive:FILE
+        from: base            # another snapshot, image:NAME to boot a guest image, or a container image:
+                              # docker://REF, dockerfile:PATH, oci:DIR[:TAG], oci-archive:FILE, docker-archive:FILE
         memory_mib: 256
         env: {APP_ENV: test}  # exported to the setup commands and to every command of VMs forked from it
         workdir: /srv/app     # working directory of the setup commands and of every later command (created)

@@ -42,6 +42,7 @@ from pytest_forkd.errors import ConfigError, DamagedSnapshot, InvalidArgument, S
 from pytest_forkd.guest.exec_result import ExecResult
 from pytest_forkd.image import Image, ensure_container_image, ensure_image
 from pytest_forkd.image.oci.reference import is_reference
+from pytest_forkd.image.oci.store import check_policy
 from pytest_forkd.paths import validate_tag
 from pytest_forkd.project import lifecycle
 from pytest_forkd.project.config import BASE_SNAPSHOT, IMAGE_PREFIX, Project, SnapshotRecipe
@@ -169,16 +170,25 @@ class SnapshotBuilder:
 
                     image = ensure_project_image(declared, progress=self.progress, origin=self.project.origin)
                 elif is_reference(name):
-                    image = ensure_container_image(
-                        name,
-                        policy=self.pull_policy or self.project.settings.get("pull", "missing"),
-                        insecure_registries=self.project.settings.get("insecure_registries", ()),
-                        progress=lambda line, name=name: self.progress(f"forkd: image {name!r}: {line}"),
-                    )
+                    image = self._container_image(name)
                 else:
                     image = ensure_image(name, progress=self.progress)
             self._images[name] = image
         return image
+
+    def _container_image(self, reference: str) -> Image:
+        """The guest image of a container reference in ``from:``, pulled per the run's pull policy."""
+        policy = check_policy(self.pull_policy or self.project.settings.get("pull", "missing"), "settings.pull")
+
+        def report(line: str) -> None:
+            self.progress(f"forkd: image {reference!r}: {line}")
+
+        return ensure_container_image(
+            reference,
+            policy=policy,
+            insecure_registries=self.project.settings.get("insecure_registries", ()),
+            progress=report,
+        )
 
     def _plan(self, name: str, memory_mib: int | None, vcpus: int | None = None, card: bool | None = None) -> _Plan:
         """``card``: the network card a child of this snapshot needs (None: whatever the recipe gives).

@@ -48,6 +48,21 @@ IMAGE_MARK = "/etc/forkd-project"
 IMAGE_MARK_TEXT = "the project image\n"
 
 
+#: The PAM stacks Debian's pam-auth-update writes, which chfn (run by adduser) and su include.
+PAM_COMMON = {
+    "common-auth": "auth [success=1 default=ignore] pam_unix.so nullok\nauth requisite pam_deny.so\n"
+    "auth required pam_permit.so\n",
+    "common-account": "account [success=1 new_authtok_reqd=done default=ignore] pam_unix.so\n"
+    "account requisite pam_deny.so\naccount required pam_permit.so\n",
+    "common-password": "password [success=1 default=ignore] pam_unix.so obscure yescrypt\n"
+    "password requisite pam_deny.so\npassword required pam_permit.so\n",
+    "common-session": "session [default=1] pam_permit.so\nsession requisite pam_deny.so\n"
+    "session required pam_permit.so\nsession required pam_unix.so\n",
+    "common-session-noninteractive": "session [default=1] pam_permit.so\nsession requisite pam_deny.so\n"
+    "session required pam_permit.so\nsession required pam_unix.so\n",
+}
+
+
 @functools.lru_cache(maxsize=1)
 def debian_packages() -> tuple[str, ...]:
     """The default image's packages and :data:`EXTRA_PACKAGES` with their dependencies, downloaded once."""
@@ -78,6 +93,9 @@ def debian_layer() -> bytes:
         (etc / "gshadow").write_text("root:*::\nshadow:*::\nusers:*::\nagent:!::\nnogroup:*::\n")
         (etc / "shadow").chmod(0o640)
         (etc / "gshadow").chmod(0o640)
+        # What libpam-runtime's postinst (pam-auth-update) writes; no maintainer script runs here.
+        for name, text in PAM_COMMON.items():
+            (etc / "pam.d" / name).write_text(text)
         return LayerTar().tree(root).tar()
 
 
@@ -95,9 +113,7 @@ def project_layer(calc: str = BUGGY_CALC) -> LayerTar:
 
 def push_project_image(registry: Registry, folder: Path, *, name: str = "forkd-tests/project:1") -> str:
     """Push the project image; its bare reference ``127.0.0.1:PORT/NAME`` (a compose file's ``image:``)."""
-    config = ImageConfigSpec(
-        env=(f"PATH={DEFAULT_PATH}", "PROJECT=calc", "LANG=C.UTF-8"), working_dir="/srv/project", cmd=("bash",)
-    )
+    config = ImageConfigSpec(env=(f"PATH={DEFAULT_PATH}", "PROJECT=calc"), working_dir="/srv/project", cmd=("bash",))
     written = write_layout(
         folder / "layout", [(debian_layer(), "none"), (project_layer(), "gzip")], config=config, tag="1"
     )
@@ -107,9 +123,7 @@ def push_project_image(registry: Registry, folder: Path, *, name: str = "forkd-t
 
 def push_agent_image(registry: Registry, folder: Path, *, name: str = "forkd-tests/agent:1") -> str:
     """Push the image whose ``User`` is ``agent`` (uid 1000); its bare reference."""
-    config = ImageConfigSpec(
-        env=(f"PATH={DEFAULT_PATH}", "LANG=C.UTF-8"), working_dir="/home/agent", user="agent", cmd=("bash",)
-    )
+    config = ImageConfigSpec(env=(f"PATH={DEFAULT_PATH}",), working_dir="/home/agent", user="agent", cmd=("bash",))
     written = write_layout(
         folder / "layout", [(debian_layer(), "none"), (project_layer(), "gzip")], config=config, tag="1"
     )

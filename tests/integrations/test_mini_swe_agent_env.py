@@ -66,9 +66,6 @@ def opened(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[Has
 
     monkeypatch.setattr(mini_swe_agent, "_open", open_fake)
     yield sessions
-    for key in mini_swe_agent.WARM_PARENTS.idle():
-        mini_swe_agent.WARM_PARENTS._idle.pop(key, None)
-        SESSIONS.release(key)
     for session in sessions.values():
         session.close()
     assert SESSIONS.keys() == []
@@ -171,39 +168,44 @@ def test_a_timeout_is_reported_as_dockers_and_the_command_is_killed(opened: dict
         env.cleanup()
 
 
-def test_environments_of_an_image_share_one_warm_parent_and_cleanup_kills_the_vm(
+def test_environments_of_an_image_share_one_warm_parent_and_cleanup_leaves_no_vm(
     opened: dict[Any, Any], tmp_path: Path
 ) -> None:
     first = environment(tmp_path, cwd=str(tmp_path))
     second = environment(tmp_path, cwd=str(tmp_path))
     assert len(opened) == 1
+    (key,) = opened
+    assert SESSIONS.users(key) == 2
     first.execute({"command": "echo fixed > state"}, cwd=own(first))
     assert second.execute({"command": "cat state"}, cwd=own(second))["output"] == "buggy\n"
     vm = first.vm
     first.cleanup()
     first.cleanup()  # idempotent
-    assert vm.closed
+    assert vm.closed and SESSIONS.users(key) == 1 and not opened[key].closed
     with pytest.raises(ConfigError, match="cleaned up"):
         first.vm  # noqa: B018
     failed = first.execute({"command": "true"})
     assert failed["returncode"] == -1 and "cleaned up" in failed["exception_info"]
     second.cleanup()
-    # Both gone: the parent stays warm for the next environment of the image, which forks without opening it again.
-    (key,) = opened
-    assert mini_swe_agent.WARM_PARENTS.idle() == [key] and not opened[key].closed
+    assert opened[key].closed and SESSIONS.keys() == []  # the last one closes the image's session: no VM is left
+    # The next environment of the image opens it again (from the stored snapshot, in real use).
     third = environment(tmp_path, cwd=str(tmp_path))
-    assert len(opened) == 1 and mini_swe_agent.WARM_PARENTS.idle() == []
+    assert not opened[key].closed
     third.cleanup()
 
 
-def test_only_the_last_idle_images_stay_warm(opened: dict[Any, Any], tmp_path: Path) -> None:
-    images = [f"127.0.0.1:5000/task-{index}:1" for index in range(mini_swe_agent.KEEP_IDLE_IMAGES + 1)]
-    for image in images:
-        environment(tmp_path, image=image, cwd=str(tmp_path)).cleanup()
-    oldest, *newer = [key for key in opened]
-    assert opened[oldest].closed
-    assert all(not opened[key].closed for key in newer)
-    assert mini_swe_agent.WARM_PARENTS.idle() == newer
+def test_images_have_a_warm_parent_each(opened: dict[Any, Any], tmp_path: Path) -> None:
+    environments = [
+        environment(tmp_path, image=f"127.0.0.1:5000/task-{index}:1", cwd=str(tmp_path)) for index in range(2)
+    ]
+    environments.append(environment(tmp_path, image="127.0.0.1:5000/task-0:1", cwd=str(tmp_path)))
+    try:
+        assert len(opened) == 2
+        assert sorted(SESSIONS.users(key) for key in opened) == [1, 2]
+    finally:
+        for each in environments:
+            each.cleanup()
+    assert all(session.closed for session in opened.values())
 
 
 def test_fork_gives_environments_of_this_ones_state_mid_run(opened: dict[Any, Any], tmp_path: Path) -> None:
@@ -271,7 +273,7 @@ def test_an_image_that_cannot_be_had_is_the_environments_error_and_nothing_is_ke
     monkeypatch.setattr(mini_swe_agent, "_open", unreachable)
     with pytest.raises(ConfigError, match="unreachable"):
         ForkdEnvironment(image="127.0.0.1:9/none:1")
-    assert SESSIONS.keys() == [] and mini_swe_agent.WARM_PARENTS.idle() == []
+    assert SESSIONS.keys() == []
 
 
 def test_the_session_key_is_the_image_and_its_working_directory() -> None:

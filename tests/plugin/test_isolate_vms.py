@@ -218,8 +218,8 @@ def test_the_third_party_suite_passes_as_it_does_on_the_host(isolated: InnerRun,
 
 def test_a_file_written_to_etc_is_not_seen_by_a_later_test(isolated: InnerRun) -> None:
     outcomes = isolated.outcomes("test_isolation_probes")
-    assert outcomes["probes.test_isolation_probes.test_a_writes_etc"] == "passed", isolated.output[-6000:]
-    assert outcomes["probes.test_isolation_probes.test_b_does_not_see_it"] == "passed"
+    assert outcomes["test_isolation_probes.test_a_writes_etc"] == "passed", isolated.output[-6000:]
+    assert outcomes["test_isolation_probes.test_b_does_not_see_it"] == "passed"
 
 
 def test_each_test_runs_on_the_guest_kernel(isolated: InnerRun) -> None:
@@ -231,13 +231,13 @@ def test_each_test_runs_on_the_guest_kernel(isolated: InnerRun) -> None:
 
 def test_a_kernel_panic_fails_that_test_alone_naming_the_crash(isolated: InnerRun) -> None:
     outcomes = isolated.outcomes("test_isolation_probes")
-    assert outcomes["probes.test_isolation_probes.test_d_panics_the_guest_kernel"] == "failure"
+    assert outcomes["test_isolation_probes.test_d_panics_the_guest_kernel"] == "failure"
     panic = isolated.case("test_d_panics_the_guest_kernel").find("failure")
     assert panic is not None
     assert "GuestCrashed" in (panic.get("message") or "") + (panic.text or "")
     assert "Kernel panic" in (panic.text or "")
-    assert outcomes["probes.test_isolation_probes.test_f_after_the_wreckage"] == "passed", isolated.output[-6000:]
-    assert outcomes["probes.test_isolation_probes.test_e_deletes_system_files"] == "passed"
+    assert outcomes["test_isolation_probes.test_f_after_the_wreckage"] == "passed", isolated.output[-6000:]
+    assert outcomes["test_isolation_probes.test_e_deletes_system_files"] == "passed"
 
 
 def test_a_failing_assert_shows_the_introspection_in_the_terminal_and_junit(isolated: InnerRun) -> None:

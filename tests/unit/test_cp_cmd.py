@@ -29,6 +29,6 @@ def test_snapshot_paths_are_tag_colon_absolute_path() -> None:
 def test_bad_command_lines_are_one_line_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == 2
+    assert main(argv) == 4
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1

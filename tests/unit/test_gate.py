@@ -277,7 +277,7 @@ def test_compare_accepts_names_stems_and_paths_mixed(stored, capsys):
 
 
 def test_an_unknown_run_id_names_it_and_the_stored_runs(stored, capsys):
-    assert main(["compare", "0009", "0001", "--root", str(stored)]) == 2
+    assert main(["compare", "0009", "0001", "--root", str(stored)]) == 4
     err = capsys.readouterr().err
     assert "no run '0009'" in err and "0001_first" in err and "0003_third" in err
 
@@ -285,7 +285,7 @@ def test_an_unknown_run_id_names_it_and_the_stored_runs(stored, capsys):
 def test_compare_strict_refuses_another_backend(stored, capsys):
     assert main(["compare", "1", "3", "--root", str(stored)]) == 0
     assert "backend: 'diff' in the baseline, 'uffd' now" in capsys.readouterr().err
-    assert main(["compare", "1", "3", "--root", str(stored), "--strict"]) == 2
+    assert main(["compare", "1", "3", "--root", str(stored), "--strict"]) == 4
     err = capsys.readouterr().err
     assert err.startswith("forkd: error: refusing to compare 3 with 1") and "backend" in err
 

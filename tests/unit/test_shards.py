@@ -149,14 +149,14 @@ def test_forkd_merge_refuses_mismatched_shards_in_one_line(tmp_path: Path, capsy
     status = main(["merge", str(one), str(two), "-o", str(tmp_path / "m.json")])
 
     err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1 and "different builds of snapshot 'base'" in err
+    assert status == 4 and err.count("\n") == 1 and "different builds of snapshot 'base'" in err
     assert not (tmp_path / "m.json").exists()
 
 
 def test_forkd_merge_needs_a_destination(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     one = write(tmp_path / "shard-1.json", shard_run(["a"]))
 
-    assert main(["merge", str(one)]) == 2
+    assert main(["merge", str(one)]) == 4
     assert "-o FILE, --save" in capsys.readouterr().err
 
 
@@ -190,7 +190,7 @@ def test_forkd_compare_merges_baseline_shards_given_with_baseline(
 def test_forkd_compare_needs_a_current_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     only = write(tmp_path / "b1.json", shard_run(["a"]))
 
-    assert main(["compare", str(only)]) == 2
+    assert main(["compare", str(only)]) == 4
     assert "at least one current run" in capsys.readouterr().err
 
 

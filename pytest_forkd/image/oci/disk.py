@@ -41,9 +41,10 @@ from typing import Final, Protocol
 
 from filelock import FileLock, Timeout
 
-from ... import paths, private
+from ... import private
 from ...errors import HostNotReady, ImageError, ImageStoreFull
 from .layers import LayerBlob, MergedTree, Node, flatten, no_space_text
+from .store import disks_dir
 
 __all__ = [
     "DISK_CONFIG",
@@ -125,11 +126,6 @@ def print_progress(message: str) -> None:
     print(f"forkd: {message}", file=sys.stderr, flush=True)
 
 
-def disks_dir() -> Path:
-    """Where image disks are published: ``<cache>/oci/disks``."""
-    return paths.cache_dir() / "oci" / "disks"
-
-
 def disk_path(digest: str) -> Path:
     """The published disk of the image whose manifest digest is ``digest`` (it may not exist yet)."""
     match = _DIGEST.fullmatch(digest)
@@ -179,8 +175,8 @@ def ensure_disk(image: ImageSource, *, progress: Progress | None = None) -> Path
 def build_disk(image: ImageSource, output: Path, workdir: Path, progress: Progress) -> None:
     """Write the disk of ``image`` to ``output``, using the private, empty-enough directory ``workdir``.
 
-    ``output`` is complete and synced when this returns; on an error it is
-    left for the caller to delete with ``workdir``.
+    ``output`` is complete when this returns; on an error it is left for the
+    caller to delete with ``workdir``.
     """
     for tool in ("mke2fs", "debugfs"):
         if _tool(tool) is None:
@@ -200,8 +196,6 @@ def build_disk(image: ImageSource, output: Path, workdir: Path, progress: Progre
     script = workdir / "fixups.debugfs"
     _write_script(script, staged, workdir / "xattrs")
     _run_debugfs(output, script)
-    with open(output, "rb+") as disk:
-        os.fsync(disk.fileno())
 
 
 def _config_json(image: ImageSource) -> bytes:
@@ -380,7 +374,7 @@ def _make_filesystem(output: Path, stage: Path, blocks: int, inodes: int) -> Non
             "-t",
             "ext4",
             "-O",
-            "^has_journal,^resize_inode",
+            "^has_journal,^resize_inode,^metadata_csum",
             "-b",
             str(BLOCK),
             "-I",
