@@ -154,6 +154,14 @@ class ImageStoreFull(ImageError):
     """The disk filled up while an image was pulled, built or unpacked; the message names the folder."""
 
 
+class LayerError(ImageError):
+    """A layer is not a readable tar stream (corrupt, truncated, or of a kind forkd does not read)."""
+
+
+class HostileLayer(LayerError):
+    """A layer has an entry that would reach outside the image root, or that no image needs; it names the entry."""
+
+
 class ImageBuildError(ImageError):
     """A Dockerfile failed to build (the message ends with the builder's last lines), or no builder is installed."""
 

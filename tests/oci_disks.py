@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from oci_images import LAYER_MEDIA_TYPES, Compression, LayerTar, compress
+from oci_images import LAYER_MEDIA_TYPES, Compression, LayerTar, WrittenImage, compress
 
 from pytest_forkd.image.oci.store import ImageConfig, Layer, PulledImage
 
@@ -161,3 +162,30 @@ class DiskReader:
             value = Path(folder) / "value"
             self.run(f"ea_get -f {self.quote(str(value))} {self.quote(path)} {self.quote(name)}")
             return value.read_bytes()
+
+
+def pulled_from_layout(written: WrittenImage, *, config: ImageConfig | None = None) -> PulledImage:
+    """The ``PulledImage`` of an image :func:`oci_images.write_layout` wrote (its linux/amd64 manifest)."""
+    digest = written.manifests["linux/amd64"]
+    manifest = json.loads(_blob(written.layout, digest).read_bytes())
+    layers = tuple(
+        Layer(
+            digest=entry["digest"],
+            media_type=entry["mediaType"],
+            size=entry["size"],
+            path=_blob(written.layout, entry["digest"]),
+        )
+        for entry in manifest["layers"]
+    )
+    return PulledImage(
+        reference=written.reference,
+        digest=digest,
+        config=config or ImageConfig(),
+        layers=layers,
+        size=sum(layer.size for layer in layers),
+    )
+
+
+def _blob(layout: Path, digest: str) -> Path:
+    algorithm, _, value = digest.partition(":")
+    return layout / "blobs" / algorithm / value

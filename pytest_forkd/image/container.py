@@ -80,8 +80,9 @@ def ensure_container_image(
     ``docker-archive:…`` or ``dockerfile:…``; a bare one means ``docker://``.
     """
     # Pulling and unpacking are imported here: sessions of forkd's own image never need them.
-    from .oci.disk import ensure_disk
+    from .oci.disk import disk_path, ensure_disk
     from .oci.pull import pull_image
+    from .oci.store import verify
 
     parsed = parse_reference(reference) if isinstance(reference, str) else reference
     pulled = pull_image(parsed, policy=policy, progress=progress, insecure_registries=insecure_registries)
@@ -89,6 +90,8 @@ def ensure_container_image(
     key = hashlib.sha256(json.dumps([CONTAINER_FORMAT, base.key, pulled.digest]).encode()).hexdigest()[:16]
     name = container_image_name(parsed, pulled.digest)
     if not is_published(key):
+        if not disk_path(pulled.digest).is_file():
+            verify(pulled)  # a cached pull checked sizes only: every blob is hashed before a disk is made of it
         disk = ensure_disk(pulled, progress=progress)
         _publish(key, name, base, disk, pulled.reference, pulled.digest, pulled.size)
     point_name(name, key)

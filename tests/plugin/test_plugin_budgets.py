@@ -159,7 +159,7 @@ def test_a_budget_on_an_unknown_operation_names_the_key(pytester, run):
     result.stdout.fnmatch_lines(
         [
             "*ConfigError: forkd_budget fixture on test_typo.py::test_fixture_typo: "
-            "unknown argument 'forks_ms'; valid arguments: fork_ms, *"
+            "unknown argument 'forks_ms'; did you mean 'fork_ms'? valid arguments: fork_ms, *"
         ]
     )
 

@@ -42,7 +42,7 @@ from typing import Final, Protocol
 from filelock import FileLock, Timeout
 
 from ... import private
-from ...errors import HostNotReady, ImageError, ImageStoreFull
+from ...errors import ImageError, ImageStoreFull, ImageToolMissing
 from .layers import LayerBlob, MergedTree, Node, flatten, no_space_text
 from .store import disks_dir
 
@@ -180,22 +180,22 @@ def build_disk(image: ImageSource, output: Path, workdir: Path, progress: Progre
     """
     for tool in ("mke2fs", "debugfs"):
         if _tool(tool) is None:
-            raise HostNotReady(
+            raise ImageToolMissing(
                 f"{tool} is not installed and container images need it to write their disks; "
                 "install e2fsprogs (`sudo apt-get install e2fsprogs`)"
             )
+    folder = workdir.parent  # what a full-disk error names: the build's own directory is temporary
     contents = workdir / "contents"
     contents.mkdir()
-    tree = flatten(image.layers, contents, progress)
+    tree = flatten(image.layers, contents, progress, folder=folder)
     stage = workdir / "stage"
     staged = _Stager(stage).stage(tree, _config_json(image))
     progress(f"writing the disk: {staged.names:,} files, {staged.content / 2**20:.1f} MiB")
     blocks, inodes = _filesystem_size(staged)
-    _make_filesystem(output, stage, blocks, inodes)
-    shutil.rmtree(stage)  # its content is on the disk now: free the room before the next step
+    _make_filesystem(output, stage, blocks, inodes, folder)
     script = workdir / "fixups.debugfs"
     _write_script(script, staged, workdir / "xattrs")
-    _run_debugfs(output, script)
+    _run_debugfs(output, script, folder)
 
 
 def _config_json(image: ImageSource) -> bytes:
@@ -219,47 +219,62 @@ def _config_json(image: ImageSource) -> bytes:
 
 
 @dataclass
+class _Copied:
+    """An inode ``mke2fs -d`` copies from the stage, and the mode and owner its copy there has."""
+
+    disk: str  # its path on the disk
+    node: Node
+    mode: int  # with the type bits
+    uid: int = 0
+    gid: int = 0
+
+
+@dataclass
 class _Staged:
     """The staged directory and what the debugfs pass must still do to make the disk exact."""
 
-    root: Path
-    #: (disk path, node, staged mode, staged uid, staged gid) of every inode mke2fs copies, parents first.
-    copied: list[tuple[str, Node, int, int, int]] = field(default_factory=list)
+    #: Every inode mke2fs copies, parents first.
+    copied: list[_Copied] = field(default_factory=list)
     #: Devices and fifos, made by debugfs: (disk path, node), each node once.
     special: list[tuple[str, Node]] = field(default_factory=list)
     #: Further names of symlinks, devices and fifos (mke2fs links only regular files): (first, other).
     links: list[tuple[str, str]] = field(default_factory=list)
-    #: Directories that debugfs adds names to: (disk path, node), to restore their mtimes afterwards.
+    #: Directories debugfs adds names to, by disk path, to put their mtimes back afterwards.
     touched: dict[str, Node] = field(default_factory=dict)
-    names: int = 0
-    content: int = 0
     directories: list[Node] = field(default_factory=list)
+    names: int = 0
     inodes: int = 0
-    symlinks: list[Node] = field(default_factory=list)
+    content: int = 0
 
 
 class _Stager:
-    """Writes the merged tree as a plain directory this user can read: content, names, links and times."""
+    """Writes the merged tree as a plain directory this user can read: content, names, links and times.
+
+    Special bits, owners, xattrs and devices are left to debugfs: the stage
+    never holds a setuid file or a device, whoever builds.
+    """
 
     def __init__(self, stage: Path) -> None:
         self.directory = stage
-        self.uid = os.geteuid()
+
+    def host(self, disk: str) -> str:
+        return os.path.join(self.directory, disk.lstrip("/"))
 
     def stage(self, tree: MergedTree, config: bytes) -> _Staged:
-        staged = _Staged(self.directory)
+        staged = _Staged()
         os.mkdir(self.directory, 0o700)
         os.chmod(self.directory, 0o755)  # the disk's "/" (mke2fs copies the mode, root_owner the owner)
-        first: dict[int, str] = {}  # id(node) -> its first path, for hard links
+        first: dict[int, str] = {}  # id(node) -> its first disk path, for hard links
         directories: list[tuple[str, Node]] = []
-        symlinks: list[tuple[str, str, Node]] = []
+        symlinks: list[tuple[str, Node]] = []
         for path, node in tree.walk():
             disk = f"/{DISK_ROOT}/{path}" if path else f"/{DISK_ROOT}"
-            host = os.path.join(self.directory, DISK_ROOT, path) if path else os.path.join(self.directory, DISK_ROOT)
+            host = self.host(disk)
             staged.names += 1
             earlier = first.get(id(node))
             if earlier is not None:
                 if node.kind == "file":
-                    os.link(os.path.join(self.directory, earlier.lstrip("/")), host)
+                    os.link(self.host(earlier), host)
                 else:
                     staged.links.append((earlier, disk))
                     staged.touched[_parent(disk)] = self._parent_node(tree, path)
@@ -280,40 +295,33 @@ class _Stager:
                 os.utime(host, (node.mtime, node.mtime))
                 staged.content += node.size
             elif node.kind == "symlink":
-                symlinks.append((host, disk, node))
-                staged.symlinks.append(node)
+                symlinks.append((disk, node))
                 continue
             else:
                 staged.special.append((disk, node))
                 staged.touched[_parent(disk)] = self._parent_node(tree, path)
                 continue
-            staged.copied.append((disk, node, _staged_mode(node), self.uid, os.getegid()))
-        # Symlinks last: until now no directory of the stage had one, so nothing above followed any.
-        for host, disk, node in symlinks:
-            os.symlink(node.target, host)
-            os.utime(host, (node.mtime, node.mtime), follow_symlinks=False)
-            staged.copied.append((disk, node, 0o120777, self.uid, os.getegid()))
-        forkd = os.path.join(self.directory, os.path.dirname(DISK_CONFIG))
-        os.mkdir(forkd, 0o755)
-        with open(
-            os.open(os.path.join(self.directory, DISK_CONFIG), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb"
-        ) as out:
+            staged.copied.append(_Copied(disk, node, _TYPE_BITS[node.kind] | _staged_mode(node)))
+        # Symlinks last: until now no directory of the stage had one, so no write above went through one.
+        for disk, node in symlinks:
+            os.symlink(node.target, self.host(disk))
+            os.utime(self.host(disk), (node.mtime, node.mtime), follow_symlinks=False)
+            staged.copied.append(_Copied(disk, node, 0o120777))
+        os.mkdir(self.host(os.path.dirname(DISK_CONFIG)), 0o755)
+        with open(os.open(self.host(DISK_CONFIG), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as out:
             out.write(config)
-        for extra, mode in ((f"/{os.path.dirname(DISK_CONFIG)}", 0o040755), (f"/{DISK_CONFIG}", 0o100644)):
-            node = Node("dir" if mode & 0o040000 else "file", mode & 0o7777, 0, 0, 0)
-            staged.copied.append((extra, node, mode & 0o7777, self.uid, os.getegid()))
-        staged.copied.append(("/", Node("dir", 0o755, 0, 0, 0), 0o755, 0, 0))  # root_owner=0:0
+        forkd_dir, config_file = Node("dir", 0o755, 0, 0, 0), Node("file", 0o644, 0, 0, 0)
+        staged.copied.append(_Copied(f"/{os.path.dirname(DISK_CONFIG)}", forkd_dir, 0o040755))
+        staged.copied.append(_Copied(f"/{DISK_CONFIG}", config_file, 0o100644))
         staged.inodes += 2
-        # Directory modes and times last, deepest first: adding names above changed their mtimes.
+        # Directory modes and times last, deepest first: adding names to them changed their mtimes.
         for host, node in reversed(directories):
             os.chmod(host, _staged_mode(node))
             os.utime(host, (node.mtime, node.mtime))
-        # The owner mke2fs copies is the stage's: check it where it could differ (a setgid parent).
-        for index, (disk, node, mode, _, _) in enumerate(staged.copied):
-            if disk == "/":
-                continue
-            status = os.lstat(os.path.join(self.directory, disk.lstrip("/")))
-            staged.copied[index] = (disk, node, mode, status.st_uid, status.st_gid)
+        for copied in staged.copied:  # the owner mke2fs copies: this user's, or a setgid parent's group
+            status = os.lstat(self.host(copied.disk))
+            copied.uid, copied.gid = status.st_uid, status.st_gid
+        staged.copied.append(_Copied("/", Node("dir", 0o755, 0, 0, 0), 0o040755))  # root_owner=0:0
         return staged
 
     @staticmethod
@@ -341,7 +349,8 @@ def _staged_mode(node: Node) -> int:
 def _filesystem_size(staged: _Staged) -> tuple[int, int]:
     """Blocks and inodes for the staged tree: what it needs, plus room for the debugfs pass and some slack."""
     data = 0
-    for _, node, _, _, _ in staged.copied:
+    for copied in staged.copied:
+        node = copied.node
         if node.kind == "file":
             data += -(-node.size // BLOCK) + node.size // (128 << 20)  # an extent per 128 MiB, roughly
         elif node.kind == "symlink" and len(os.fsencode(node.target)) >= 60:
@@ -350,10 +359,10 @@ def _filesystem_size(staged: _Staged) -> tuple[int, int]:
         entries = 24 + sum(8 + ((len(os.fsencode(name)) + 3) & ~3) for name in node.children)
         blocks = -(-entries // (BLOCK - 12))
         data += blocks + (blocks // 64 + 1 if blocks > 1 else 0)  # an htree index past one block
-    with_xattrs = sum(1 for _, node, _, _, _ in staged.copied if node.xattrs)
+    with_xattrs = sum(1 for copied in staged.copied if copied.node.xattrs)
     with_xattrs += sum(1 for _, node in staged.special if node.xattrs)
     data += with_xattrs + 16  # lost+found, the root, slack for small trees
-    inodes = staged.inodes + len(staged.special) + 16
+    inodes = staged.inodes + 16  # reserved inodes, lost+found
     inodes += inodes // 20 + 64
     table = -(-inodes * INODE_SIZE // BLOCK)
     blocks = data + table
@@ -364,7 +373,7 @@ def _filesystem_size(staged: _Staged) -> tuple[int, int]:
     return blocks, inodes
 
 
-def _make_filesystem(output: Path, stage: Path, blocks: int, inodes: int) -> None:
+def _make_filesystem(output: Path, stage: Path, blocks: int, inodes: int, folder: Path) -> None:
     """``mke2fs -d stage`` into ``output``: sparse, journal-less (it is read-only), room for the inodes."""
     for attempt in range(3):
         command = [
@@ -398,7 +407,7 @@ def _make_filesystem(output: Path, stage: Path, blocks: int, inodes: int) -> Non
             return
         said = _said(result.stderr)
         if any(os.strerror(number) in said for number in (errno.ENOSPC, errno.EDQUOT)):
-            raise ImageStoreFull(no_space_text(output.parent, "writing an image disk"))
+            raise ImageStoreFull(no_space_text(folder, "writing an image disk"))
         if attempt < 2 and any(
             hint in said.lower() for hint in ("allocate", "no free space", "too big", "too many", "space")
         ):
@@ -423,6 +432,8 @@ def _write_script(script: Path, staged: _Staged, xattr_dir: Path) -> None:
 
     def emit(shown: str, *words: bytes) -> None:
         line = b" ".join(words)
+        if b"\n" in line or b"\r" in line or b"\0" in line:  # refused with the layer already: never two commands
+            raise DiskError(f"entry {shown!r} cannot be written by debugfs (a line break in a name)")
         if len(line) > MAX_SCRIPT_LINE:
             raise DiskError(
                 f"entry {shown.removeprefix('/' + DISK_ROOT + '/')!r} has a path too long for the disk writer "
@@ -450,9 +461,9 @@ def _write_script(script: Path, staged: _Staged, xattr_dir: Path) -> None:
             value_file.write_bytes(value)
             emit(disk, b"ea_set", b"-f", _quote(str(value_file)), _quote(disk), _quote(name))
 
-    for disk, node, mode, uid, gid in staged.copied:
-        set_inode(disk, node, _TYPE_BITS[node.kind] | mode, uid, gid)
-        set_xattrs(disk, node)
+    for copied in staged.copied:
+        set_inode(copied.disk, copied.node, copied.mode, copied.uid, copied.gid)
+        set_xattrs(copied.disk, copied.node)
     directory = ""
     for disk, node in staged.special:
         parent, name = _parent(disk), disk.rsplit("/", 1)[1]
@@ -463,7 +474,13 @@ def _write_script(script: Path, staged: _Staged, xattr_dir: Path) -> None:
             emit(disk, b"mknod", _quote(name), b"p")
         else:
             kind = b"c" if node.kind == "char" else b"b"
-            emit(disk, b"mknod", _quote(name), kind, b"%d" % node.device[0], b"%d" % node.device[1])
+            major, minor = node.device
+            if major <= 0xFFFF and minor <= 0xFFFF:
+                emit(disk, b"mknod", _quote(name), kind, b"%d" % major, b"%d" % minor)
+            else:  # beyond what debugfs's mknod parses: store the kernel's new encoding in the inode itself
+                emit(disk, b"mknod", _quote(name), kind, b"0", b"0")
+                encoded = (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
+                emit(disk, b"sif", _quote(disk), b"block[1]", b"%d" % encoded)
         set_inode(disk, node, None, None, None)
         emit(disk, b"sif", _quote(disk), b"mtime", b"@%d" % node.mtime)
         set_xattrs(disk, node)
@@ -479,7 +496,7 @@ def _write_script(script: Path, staged: _Staged, xattr_dir: Path) -> None:
         out.writelines(lines)
 
 
-def _run_debugfs(output: Path, script: Path) -> None:
+def _run_debugfs(output: Path, script: Path, folder: Path) -> None:
     """Run the script in one debugfs; debugfs exits 0 whatever fails, so any complaint on stderr is a failure."""
     result = subprocess.run(
         [_tool("debugfs") or "debugfs", "-w", "-f", str(script), str(output)],
@@ -495,7 +512,7 @@ def _run_debugfs(output: Path, script: Path) -> None:
     if result.returncode != 0 or complaints:
         said = " ".join((complaints or [f"exit status {result.returncode}"])[0].split())[:300]
         if any(os.strerror(number) in said for number in (errno.ENOSPC, errno.EDQUOT)):
-            raise ImageStoreFull(no_space_text(output.parent, "writing an image disk"))
+            raise ImageStoreFull(no_space_text(folder, "writing an image disk"))
         where = ""
         match = re.match(rf'"?/{DISK_ROOT}/(.*?)"?: ', said)
         if match:

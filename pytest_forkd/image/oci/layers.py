@@ -24,7 +24,9 @@ hostile layer cannot write anywhere, and is refused with
 :class:`HostileLayer`, which names the layer and the entry: a ``..``
 component, a write through a symlink, a hard link out of the root or to
 nothing, a NUL in a name, and sizes or counts beyond the limits below. A
-leading ``/`` or ``./`` is dropped, as the spec allows.
+leading ``/`` or ``./`` is dropped, as the spec allows. Names with a line
+break are refused too: the disk writer (debugfs) reads its commands by line,
+and no image needs them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Final, Literal, Protocol
 
-from ...errors import HostNotReady, ImageError, ImageStoreFull
+from ...errors import HostileLayer, ImageError, ImageStoreFull, ImageToolMissing, LayerError
 
 __all__ = [
     "MAX_ENTRIES",
@@ -117,14 +119,6 @@ _KIND_NAMES: Final[dict[str, str]] = {
 }
 
 
-class LayerError(ImageError):
-    """A layer is not a readable tar stream (corrupt, truncated, or of a kind forkd does not read)."""
-
-
-class HostileLayer(LayerError):
-    """A layer has an entry that would reach outside the image root, or that no image needs; it names the entry."""
-
-
 class LayerBlob(Protocol):
     """What flattening needs of a pulled layer (``pull.Layer`` has it)."""
 
@@ -189,14 +183,18 @@ def short_digest(digest: str) -> str:
     return f"{algorithm}:{value[:12]}…" if len(value) > 12 else digest
 
 
-def flatten(layers: Sequence[LayerBlob], workdir: Path, progress: Progress | None = None) -> MergedTree:
+def flatten(
+    layers: Sequence[LayerBlob], workdir: Path, progress: Progress | None = None, *, folder: Path | None = None
+) -> MergedTree:
     """Apply ``layers`` (lowest first) and return the merged tree; file contents go under ``workdir``.
 
     ``workdir`` must be an empty private directory of the caller's; it holds
     the content of every file still in the tree when this returns (and, on an
-    error, whatever the caller removes with it).
+    error, whatever the caller removes with it). ``folder`` is the one a
+    full-disk error names (default: ``workdir``), for a caller whose workdir
+    is a temporary name the user never sees.
     """
-    merger = _Merger(workdir)
+    merger = _Merger(workdir, folder or workdir)
     for number, layer in enumerate(layers, 1):
         if progress is not None:
             progress(
@@ -263,9 +261,10 @@ _HEADER_TYPES: Final = (
 class _Merger:
     """The merged tree being built, layer by layer, and the counters the limits apply to."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, folder: Path) -> None:
         self.root = Node("dir", 0o755, 0, 0, 0, names=1)
         self.blobs = workdir
+        self.folder = folder
         self.entries = 0
         self.content = 0
         self.label = ""
@@ -292,16 +291,16 @@ class _Merger:
                         whiteouts.append(read)
                     elif read is not None:
                         entries.append(read)
-        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
+        # gzip.BadGzipFile and bz2's errors are OSErrors; a failed content write is an ImageError instead.
+        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
             raise LayerError(
-                f"layer {self.label} is not a readable tar stream ({_reason(exc)}); pull it again"
+                f"layer {self.label} is not a readable tar stream ({_reason(exc)}); "
+                f"delete {layer.path} and pull the image again"
             ) from None
-        except OSError as exc:  # gzip.BadGzipFile and bz2's errors are OSErrors; a failed blob write is not one
-            raise LayerError(
-                f"layer {self.label} is not a readable tar stream ({_reason(exc)}); pull it again"
-            ) from None
+        # A directory replacing a symlink often comes with an opaque marker (overlayfs makes it opaque).
+        replaced = frozenset(entry.parts for entry in entries if entry.kind == "dir")
         for whiteout in whiteouts:
-            self._whiteout(whiteout)
+            self._whiteout(whiteout, replaced)
         for entry in entries:
             self._apply(entry)
 
@@ -334,6 +333,7 @@ class _Merger:
             if "\x00" in link:
                 raise self._refuse(name, f"is a hard link whose target {link!r} contains a NUL byte")
             entry.link = self._parts(name, link, what=f"is a hard link to {link!r}, which")
+            entry.target = link  # as written, for messages
             if not entry.link:
                 raise self._refuse(name, "is a hard link to the image root")
             return entry
@@ -388,6 +388,8 @@ class _Merger:
                 attribute.startswith(XATTR_NAMESPACES) or attribute in XATTR_NAMES
             ):
                 continue
+            if len(os.fsencode(attribute)) > 255 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in attribute):
+                raise self._refuse(member.name, f"has the extended attribute name {attribute!r}, which Linux refuses")
             # tarfile decodes PAX values as UTF-8 with surrogate escapes: encoding them back gives the bytes.
             xattrs[attribute] = value.encode("utf-8", "surrogateescape")
         room = sum(16 + _round4(len(os.fsencode(key))) + _round4(len(value)) for key, value in xattrs.items())
@@ -422,15 +424,25 @@ class _Merger:
 
     def _write_failure(self, exc: OSError) -> ImageError:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return ImageStoreFull(no_space_text(self.blobs, f"unpacking layer {self.label}"))
-        return ImageError(f"unpacking layer {self.label} into {self.blobs} failed: {exc.strerror or exc}")
+            return ImageStoreFull(no_space_text(self.folder, f"unpacking layer {self.label}"))
+        return ImageError(f"unpacking layer {self.label} into {self.folder} failed: {exc.strerror or exc}")
 
     # -- applying
 
-    def _walk(self, name: str, directory: tuple[str, ...], *, create: bool, mtime: int = 0) -> Node | None:
+    def _walk(
+        self,
+        name: str,
+        directory: tuple[str, ...],
+        *,
+        create: bool,
+        mtime: int = 0,
+        replaced: frozenset[tuple[str, ...]] = frozenset(),
+    ) -> Node | None:
         """The directory ``directory`` names, made when missing if ``create``; None when it is not there.
 
-        Refuses to go through a symlink: an entry under one would land wherever it points.
+        Refuses to go through a symlink: an entry under one would land wherever
+        it points. A symlink the layer replaces with a directory (``replaced``)
+        has nothing below it for a whiteout to hide: the walk ends there.
         """
         node = self.root
         for depth, part in enumerate(directory):
@@ -441,6 +453,8 @@ class _Merger:
                 child = Node("dir", 0o755, 0, 0, mtime, names=1)
                 node.children[part] = child
             elif child.kind == "symlink":
+                if directory[: depth + 1] in replaced:
+                    return None
                 through = "/".join(directory[: depth + 1])
                 raise self._refuse(name, f"would be written through the symlink {through!r}")
             elif child.kind != "dir":
@@ -453,8 +467,8 @@ class _Merger:
             node = child
         return node
 
-    def _whiteout(self, whiteout: _Whiteout) -> None:
-        directory = self._walk(whiteout.name, whiteout.directory, create=False)
+    def _whiteout(self, whiteout: _Whiteout, replaced: frozenset[tuple[str, ...]]) -> None:
+        directory = self._walk(whiteout.name, whiteout.directory, create=False, replaced=replaced)
         if directory is None:
             return  # nothing below to hide
         if whiteout.hidden is None:
@@ -502,7 +516,7 @@ class _Merger:
         node.names += 1
 
     def _link_target(self, entry: _Entry) -> Node:
-        shown = "/".join(entry.link)
+        shown = entry.target
         directory = self._walk(entry.name, entry.link[:-1], create=False)
         target = directory.children.get(entry.link[-1]) if directory is not None else None
         if target is None:
@@ -610,7 +624,7 @@ def _zstd_decompressed(path: Path) -> Iterator[IO[bytes]]:
         return
     zstandard = _zstandard()
     if zstandard is None:
-        raise HostNotReady(
+        raise ImageToolMissing(
             f"{path.name} is a zstd layer and neither the zstd tool nor the zstandard module is available; "
             "install one (`sudo apt-get install zstd`, or `pip install 'pytest-forkd[archive]'`)"
         )
