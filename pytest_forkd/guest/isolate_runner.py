@@ -73,6 +73,10 @@ class Channel:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        for stream in (sys.stdout, sys.stderr):  # what a test prints uncaptured (-s) reaches the host as it goes
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(line_buffering=True)
         return cls(os.fdopen(commands, "rb"), os.fdopen(replies, "wb"))
 
     def receive(self) -> dict[str, Any] | None:
@@ -267,6 +271,8 @@ class Runner:
             session.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
         finally:
             self.streaming = None
+            sys.stdout.flush()
+            sys.stderr.flush()
         return {"op": "done", "warnings": self.warnings}
 
     def teardown(self, session: pytest.Session, item: Any, next_item: Any, *, last: bool) -> dict[str, Any]:

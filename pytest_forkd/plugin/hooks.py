@@ -20,7 +20,6 @@ import pytest
 from pytest_forkd.errors import ForkdError
 from pytest_forkd.plugin import report
 from pytest_forkd.plugin.fixtures import CHOICE, DANGEROUS_CHECKPOINT, TEST_BUDGETS, TEST_VM, TEST_VMS, choice_of
-from pytest_forkd.plugin.isolate import IsolationHooks
 from pytest_forkd.plugin.options import add_markers, usage_error
 from pytest_forkd.plugin.progress import PrefixRestorer
 from pytest_forkd.plugin.state import STATE, names_forkd, run_state, start_run, uses_forkd, worker_id
@@ -47,6 +46,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(state), "forkd-xdist")
     config.pluginmanager.register(PrefixRestorer(config), "forkd-progress")
+    from pytest_forkd.plugin.isolate import IsolationHooks  # its hooks act once a test is selected
+
     config.pluginmanager.register(IsolationHooks(state), "forkd-isolate")
     if config.getoption("forkd_report", None) and getattr(config, "workerinput", None) is None:
         from pytest_forkd.plugin.html_report import TestTimes, check_report_path

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Final
 import pytest
 
 from pytest_forkd.errors import ForkdError
-from pytest_forkd.plugin.isolate_options import MARKER_HELP, IsolatedTest, IsolateSettings, isolated_test, resolve
+from pytest_forkd.plugin.isolate_options import IsolatedTest, IsolateSettings, isolated_test, resolve
 
 if TYPE_CHECKING:
     from pytest_forkd.plugin.isolate_parent import IsolationParent
@@ -58,9 +58,6 @@ class IsolationHooks:
         self.index: dict[str, int] = {}
         self.parent: IsolationParent | None = None
         self.start_error: str | None = None
-
-    def pytest_configure(self, config: pytest.Config) -> None:
-        config.addinivalue_line("markers", MARKER_HELP)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -146,7 +143,7 @@ class IsolationHooks:
             session = self.state.open_session(progress)
             parent = IsolationParent(session, plan, progress=progress)
             parent.start()
-        except ForkdError as exc:
+        except (ForkdError, OSError, ValueError) as exc:  # a bad reply is a ValueError (JSON)
             self.start_error = f"forkd could not start the isolation parent VM: {type(exc).__name__}: {exc}"
             if parent is not None:
                 parent.close()

@@ -47,6 +47,11 @@ RUNNER_MAX_OUTPUT: Final = 64 << 20
 COLLECT_TIMEOUT_S: Final = 900.0
 #: How long a command to the parent (set-up, teardown) may take at least.
 PARENT_COMMAND_TIMEOUT_S: Final = 900.0
+#: Said when the guest has no pytest (the default image has none).
+NO_PYTEST_HINT: Final = (
+    "the guest has no pytest: put the suite's test dependencies into its image in forkd.yaml, e.g.\n"
+    "  images: {tests: {packages: [python3-pytest]}}\n  snapshots: {base: {from: 'image:tests'}}\n"
+)
 #: Characters of the runner's own output kept for error messages.
 OUTPUT_TAIL_CHARS: Final = 8000
 
@@ -127,10 +132,10 @@ def read_reply(process: GuestProcess, deadline: float, what: str) -> dict[str, A
         except ProcessTimeout:
             raise TestTimedOut(f"{what} did not finish in time") from None
         if not piece:
-            try:
+            try:  # a guest that died says so here (GuestCrashed), even if its output ended first
                 status: int | str = process.wait(timeout=10)
-            except ForkdError:
-                status = "unknown"
+            except ProcessTimeout:
+                status = "unknown: it still runs"
             raise RunnerFailed(f"the guest's pytest exited (status {status}) while {what}", status)
         line += piece
         if line.endswith(b"\n"):
@@ -221,8 +226,13 @@ class IsolationParent:
 
     def output_tail(self) -> str:
         """The last lines the parent's pytest wrote outside its replies (its own errors, collection warnings)."""
+        if self._stderr is not None:
+            self._stderr.wait(2.0 if self._process is not None and self._process.poll() is not None else 0.0)
         tail = self._stderr.text() if self._stderr is not None else ""
-        return f"--- last output of the guest's pytest ---\n{tail}" if tail.strip() else ""
+        if not tail.strip():
+            return ""
+        hint = NO_PYTEST_HINT if "No module named 'pytest'" in tail else ""
+        return f"{hint}--- last output of the guest's pytest ---\n{tail}"
 
     # -- the state children fork from ------------------------------------------------------------
     def snapshot_for(self, nodeid: str, file: str, group: list[str], *, fresh: bool, timeout: float) -> Snapshot:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Callable, Final
 
 import pytest
 
-from pytest_forkd.plugin import isolate_options
 from pytest_forkd.project import settings as forkd_settings
 
 if TYPE_CHECKING:
@@ -83,6 +82,8 @@ def reports_group(parser: pytest.Parser) -> pytest.OptionGroup:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     forkd_settings.add_options(vms_group(parser), parser)
+    from pytest_forkd.plugin import isolate_options  # its own module: the plugin's import stays small
+
     isolate_options.add_options(vms_group(parser), parser)
     _add_timing_options(timings_group(parser))
     _add_report_options(reports_group(parser))
@@ -163,10 +164,12 @@ def _add_report_options(group: pytest.OptionGroup) -> None:
 def add_markers(config: pytest.Config) -> None:
     """Declare the forkd markers (so ``--strict-markers`` knows them)."""
     from pytest_forkd.latency.budgets import MARKER_HELP as BUDGET_MARKER_HELP
+    from pytest_forkd.plugin.isolate_options import MARKER_HELP as ISOLATE_MARKER_HELP
 
     config.addinivalue_line("markers", forkd_settings.MARKER_HELP)
     config.addinivalue_line("markers", DANGEROUS_MARKER_HELP)
     config.addinivalue_line("markers", BUDGET_MARKER_HELP)
+    config.addinivalue_line("markers", ISOLATE_MARKER_HELP)
 
 
 def resolve_run(config: pytest.Config, *, backends: Callable[[], list[str]]) -> Resolved:

@@ -217,6 +217,7 @@ def test_trixie_image_has_its_own_python_and_kernel_layout(trixie_image: Image) 
     kernel = manifest["kernel"]
     assert sorted([*kernel["modules"], *kernel["builtin"]]) == sorted(
         ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "failover", "net_failover", "virtio_net")
+        + ("virtio_blk", "overlay")  # a container image's disk and its overlay root
     )
     assert kernel["builtin"], "Debian 13's cloud kernel builds some virtio drivers in"
 

@@ -9,6 +9,7 @@ goes through pytest-xdist.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -17,11 +18,12 @@ import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from support import USER_CACHE, assert_nothing_left
 
 pytestmark = pytest.mark.vm
@@ -102,6 +104,16 @@ def test_g_fails_an_assert():
 @pytest.mark.forkd_isolate(timeout=5)
 def test_h_hangs():
     time.sleep(300)
+
+
+def test_i_fills_the_disk():
+    with open("/tmp/filler", "wb") as filler:
+        while True:
+            filler.write(b"x" * (1 << 20))
+
+
+def test_j_after_the_disk_was_full():
+    assert not os.path.exists("/tmp/filler")
 """
 
 
@@ -167,13 +179,39 @@ def shm_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this module keeps its project and runs: one folder for all xdist workers, so each run happens once."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        directory = tmp_path_factory.getbasetemp().parent / "isolate-vms"
+        directory.mkdir(exist_ok=True)
+        return directory
+    return tmp_path_factory.mktemp("isolate-vms")
+
+
+def once(shared_dir: Path, name: str, produce: Callable[[], InnerRun]) -> InnerRun:
+    """The run ``name``: made by the first worker that asks (``produce``), read back by the others."""
+    saved = shared_dir / f"{name}.json"
+    with FileLock(shared_dir / f"{name}.lock"):
+        if saved.is_file():
+            data = json.loads(saved.read_text())
+            return InnerRun(data["returncode"], data["output"], ElementTree.fromstring(data["junit"]))
+        run = produce()
+        junit = ElementTree.tostring(run.junit, encoding="unicode")
+        saved.write_text(json.dumps({"returncode": run.returncode, "output": run.output, "junit": junit}))
+        return run
+
+
+@pytest.fixture(scope="module")
+def project(shared_dir: Path) -> Path:
     """toolz's sdist unpacked as published, probe tests beside it, forkd.yaml at the top (the rootdir)."""
-    top = tmp_path_factory.mktemp("isolated-project")
-    unpack_toolz(top)
-    (top / "probes").mkdir()
-    (top / "probes" / "test_isolation_probes.py").write_text(PROBES)
-    (top / "forkd.yaml").write_text(FORKD_YAML)
+    top = shared_dir / "project"
+    with FileLock(shared_dir / "project.lock"):
+        if not (top / "forkd.yaml").is_file():
+            top.mkdir()
+            unpack_toolz(top)
+            (top / "probes").mkdir()
+            (top / "probes" / "test_isolation_probes.py").write_text(PROBES)
+            (top / "forkd.yaml").write_text(FORKD_YAML)
     return top
 
 
@@ -182,30 +220,35 @@ def toolz_args() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def isolated(project: Path, shm_dir: Path, shared_store: Path, tmp_path_factory: pytest.TempPathFactory) -> InnerRun:
+def isolated(project: Path, shm_dir: Path, shared_store: Path, shared_dir: Path) -> InnerRun:
     """The shared run: toolz's subset and the probes, every test in its own child VM, from toolz's folder."""
-    junit = tmp_path_factory.mktemp("junit") / "isolated.xml"
-    run = run_pytest(
-        project / "toolz-0.12.1",
-        inner_env(shm_dir),
-        "--forkd-isolate",
-        f"--forkd-store={shared_store}",
-        "-rA",
-        *toolz_args(),
-        "../probes",
-        junit=junit,
-    )
-    assert_nothing_left(shm_dir)
-    return run
+
+    def produce() -> InnerRun:
+        run = run_pytest(
+            project / "toolz-0.12.1",
+            inner_env(shm_dir),
+            "--forkd-isolate",
+            f"--forkd-store={shared_store}",
+            "-rA",
+            *toolz_args(),
+            "../probes",
+            junit=shared_dir / "isolated.xml",
+        )
+        assert_nothing_left(shm_dir)
+        return run
+
+    return once(shared_dir, "isolated", produce)
 
 
 @pytest.fixture(scope="module")
-def on_host(project: Path, tmp_path_factory: pytest.TempPathFactory) -> InnerRun:
+def on_host(project: Path, shared_dir: Path) -> InnerRun:
     """The same toolz modules run on the host, without forkd: the count to match."""
-    junit = tmp_path_factory.mktemp("junit") / "host.xml"
-    return run_pytest(
-        project / "toolz-0.12.1", inner_env(Path("/nonexistent")), "-p", "no:forkd", *toolz_args(), junit=junit
-    )
+
+    def produce() -> InnerRun:
+        env = inner_env(Path("/nonexistent"))
+        return run_pytest(project / "toolz-0.12.1", env, "-p", "no:forkd", *toolz_args(), junit=shared_dir / "host.xml")
+
+    return once(shared_dir, "host", produce)
 
 
 def test_the_third_party_suite_passes_as_it_does_on_the_host(isolated: InnerRun, on_host: InnerRun) -> None:
@@ -247,6 +290,17 @@ def test_a_failing_assert_shows_the_introspection_in_the_terminal_and_junit(isol
     assert failure.get("message", "").startswith("assert [1, 2, 3] == [1, 5, 3]")
 
 
+def test_a_test_that_fills_the_disk_fails_alone_with_the_cause(isolated: InnerRun) -> None:
+    outcomes = isolated.outcomes("test_isolation_probes")
+    assert outcomes["test_isolation_probes.test_i_fills_the_disk"] == "failure"
+    failure = isolated.case("test_i_fills_the_disk").find("failure")
+    assert failure is not None
+    text = failure.text or ""
+    # The guest's files live in its memory: the file system fills up, or the kernel kills the test's process first.
+    assert "No space left on device" in text or "out-of-memory" in text, text[-3000:]
+    assert outcomes["test_isolation_probes.test_j_after_the_disk_was_full"] == "passed"
+
+
 def test_a_timeout_kills_the_test_not_the_run(isolated: InnerRun) -> None:
     failure = isolated.case("test_h_hangs").find("failure")
     assert failure is not None and "ran past its timeout of 5 s" in (failure.text or "")
@@ -285,4 +339,18 @@ def test_xdist_workers_each_get_their_own_parent(
     ]
     assert "GuestCrashed" in run.output and "At index 1 diff: 2 != 5" in run.output
     assert set(re.findall(r"snapshot 'base': .*\[(gw\d)\]", run.output)) == {"gw0", "gw1"}, run.output[-3000:]
+    assert_nothing_left(shm_dir)
+
+
+def test_a_guest_without_pytest_fails_each_test_saying_what_to_declare(
+    shm_dir: Path, shared_store: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    run = run_pytest(
+        tmp_path, inner_env(shm_dir), "--forkd-isolate", f"--forkd-store={shared_store}", junit=tmp_path / "j.xml"
+    )
+    error = run.case("test_plain").find("error")
+    assert error is not None, run.output[-4000:]
+    assert "the guest has no pytest" in (error.text or "") and "python3-pytest" in (error.text or "")
     assert_nothing_left(shm_dir)
