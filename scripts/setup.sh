@@ -101,7 +101,7 @@ stamp="$VENV/.forkd-installed"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing pytest-forkd into $VENV" >&2
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,inspect,openai-agents]'
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,inspect,openai-agents,mini-swe-agent]'
   echo "$want" > "$stamp"
 fi
 

@@ -352,17 +352,25 @@ CAP_NET_RAW = bytes.fromhex("0100000200200000000000000000000000000000")
 
 
 @functools.lru_cache(maxsize=None)
-def cached_deb(package: str) -> Path:
-    """The cached .deb of ``package`` (the newest when several versions are cached), read from its control file."""
+def cached_deb(package: str, version: str | None = None) -> Path:
+    """The cached .deb of ``package``, read from its control file.
+
+    ``version``: that version exactly; by default the version the default image
+    was built from. The cache holds every release's packages a run fetched (a
+    trixie image beside the bookworm default), and mixing them breaks a root.
+    """
+    if version is None:
+        version = default_image_packages().get(package)
     found: list[tuple[str, Path]] = []
     debs = USER_CACHE / "debs"
     for deb in sorted(debs.glob("*.deb")):
         fields = _control_fields(deb)
-        if fields.get("Package") == package:
+        if fields.get("Package") == package and version in (None, fields.get("Version")):
             found.append((fields.get("Version", ""), deb))
     if not found:
         raise LookupError(
-            f"no cached .deb of {package} under {debs}: build the default image first (`forkd image build`)"
+            f"no cached .deb of {package} {version or ''} under {debs}: build the default image first "
+            "(`forkd image build`)"
         )
     return sorted(found)[-1][1]
 
@@ -472,15 +480,15 @@ def write_busybox_image(layout: Path, *, tag: str = "latest", user: str = "") ->
 # --- the Debian image with bash and python3 ---------------------------------------------------
 
 
-def default_image_packages() -> list[str]:
-    """The packages of the built default guest image (its manifest lists them): bash, python3 and their closure."""
+def default_image_packages() -> dict[str, str]:
+    """The packages of the built default guest image and their versions: bash, python3 and their closure."""
     images = USER_CACHE / "images"
     try:
         key = (images / "names" / "default").read_text().strip()
         manifest = json.loads((images / key / "manifest.json").read_text())
     except OSError:
         raise LookupError(f"no default image under {images}: build it first (`forkd image build`)") from None
-    return list(manifest["packages"])
+    return dict(manifest["packages"])
 
 
 def debian_root(root: Path, packages: Iterable[str] | None = None) -> Path:

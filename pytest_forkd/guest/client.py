@@ -463,9 +463,7 @@ class AgentClient:
         pseudo-terminal (True: 24x80, or ``(rows, columns)``); its stdout is
         what it wrote to the terminal and stdin is typed in.
         """
-        request = exec_request(
-            command, timeout=timeout, env=env, cwd=cwd, max_output=max_output, pty=pty, user=user
-        )
+        request = exec_request(command, timeout=timeout, env=env, cwd=cwd, max_output=max_output, pty=pty, user=user)
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         captures = {wire.STDOUT: OutputCapture(max_output), wire.STDERR: OutputCapture(max_output)}
 

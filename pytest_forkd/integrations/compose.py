@@ -54,6 +54,7 @@ __all__ = [
     "is_compose_file",
     "is_dockerfile",
     "load_compose",
+    "log_ignored",
     "parse_compose",
 ]
 
@@ -226,6 +227,18 @@ class ComposeService:
     @property
     def env(self) -> dict[str, str]:
         return dict(self.environment)
+
+
+_logged: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def log_ignored(service: ComposeService) -> None:
+    """Say once per process and service which of its keys forkd accepted without effect."""
+    key = (service.origin, service.ignored)
+    if not service.ignored or key in _logged:
+        return
+    _logged.add(key)
+    log.info(f"forkd: {service.origin}: no meaning for a VM, ignored: {', '.join(service.ignored)}")
 
 
 # -- file names --------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from pytest_forkd.integrations.compose import (
     is_compose_file,
     is_dockerfile,
     load_compose,
+    log_ignored,
     parse_compose,
 )
 from pytest_forkd.integrations.image_sessions import ImageGuest
@@ -220,6 +221,7 @@ def image_sample(config: object, *, base: Path, environ: Mapping[str, str]) -> I
         service = dockerfile_service(base / os.path.expanduser(config))
     else:
         raise ForkdSandboxError(f"forkd sandbox: config {config!r} names no compose file or Dockerfile")
+    log_ignored(service)
     return ImageSample(guest=ImageGuest.of_service(service), user=service.user)
 
 

@@ -4,7 +4,7 @@ Built in Python (:mod:`oci_images`) from Debian packages, pushed with skopeo to
 the tests' real registry (:mod:`registry`), as a harness's task would name
 them:
 
-- ``project``: Debian (bash, python3, coreutils, adduser, passwd) with a
+- ``project``: Debian bookworm (bash, python3, coreutils, adduser, passwd) with a
   project in ``/srv/project`` whose test fails (``calc.add`` subtracts), its
   config ``WorkingDir /srv/project`` and ``Env PROJECT=calc``;
 - ``agent``: the same Debian root with a user ``agent`` (uid 1000) as its
@@ -21,11 +21,24 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from oci_images import DEFAULT_PATH, ImageConfigSpec, LayerTar, debian_root, default_image_packages, push, write_layout
+from oci_images import DEFAULT_PATH, ImageConfigSpec, LayerTar, push, write_layout
 from registry import Registry
 
-#: Beyond the default guest image's packages (bash, python3): what a Debian image a task ships usually has.
-EXTRA_PACKAGES = ("coreutils", "adduser", "passwd", "login", "perl-base", "findutils", "grep", "sed")
+#: What the image's Debian root is made of (with their dependencies): bash and python3, as forkd's default image
+#: has, and what a Debian image a task ships usually has besides, adduser included.
+PACKAGES = (
+    "bash",
+    "python3-minimal",
+    "libpython3-stdlib",
+    "coreutils",
+    "adduser",
+    "passwd",
+    "login",
+    "perl-base",
+    "findutils",
+    "grep",
+    "sed",
+)
 
 BUGGY_CALC = "def add(a, b):\n    return a - b\n"
 FIXED_CALC = "def add(a, b):\n    return a + b\n"
@@ -64,25 +77,45 @@ PAM_COMMON = {
 
 
 @functools.lru_cache(maxsize=1)
-def debian_packages() -> tuple[str, ...]:
-    """The default image's packages and :data:`EXTRA_PACKAGES` with their dependencies, downloaded once."""
+def debian_debs() -> tuple[Path, ...]:
+    """The .debs of :data:`PACKAGES` and their dependencies in the default image's release, downloaded once.
+
+    Exactly the versions the release resolves to: the package cache may hold
+    other releases' versions of the same packages too.
+    """
     from pytest_forkd import paths
     from pytest_forkd.image import load_default_recipe
     from pytest_forkd.image.debian import select_packages
 
     recipe = load_default_recipe()
-    roots = tuple(dict.fromkeys([*default_image_packages(), *EXTRA_PACKAGES]))
     selection = select_packages(
-        recipe.release, recipe.kernel, roots, ("dpkg", "debconf", "tzdata"), paths.debs_dir(), lambda line: None
+        recipe.release, recipe.kernel, PACKAGES, ("dpkg", "debconf", "tzdata"), paths.debs_dir(), lambda line: None
     )
-    return tuple(package.name for package in selection.packages)
+    return tuple(selection.package_debs())
 
 
 @functools.lru_cache(maxsize=1)
 def debian_layer() -> bytes:
     """The Debian root as one uncompressed layer (its users: root and ``agent``, with shadow entries)."""
+    from pytest_forkd.image.deb import unpack
+    from pytest_forkd.image.rootfs import make_merged_usr
+
     with tempfile.TemporaryDirectory(prefix="forkd-project-image-") as folder:
-        root = debian_root(Path(folder) / "root", debian_packages())
+        root = Path(folder) / "root"
+        root.mkdir()
+        make_merged_usr(root)
+        for deb in debian_debs():
+            unpack(deb, root)
+        shell = root / "usr" / "bin" / "sh"
+        shell.unlink(missing_ok=True)
+        shell.symlink_to("bash")
+        python = root / "usr" / "bin" / "python3"
+        if not python.exists():
+            python.unlink(missing_ok=True)
+            python.symlink_to(sorted(path.name for path in (root / "usr" / "bin").glob("python3.*"))[-1])
+        for directory in ("root", "tmp", "home"):
+            (root / directory).mkdir(exist_ok=True)
+        (root / "tmp").chmod(0o1777)
         etc = root / "etc"
         (etc / "passwd").write_text(
             "root:x:0:0:root:/root:/bin/bash\nagent:x:1000:1000:agent:/home/agent:/bin/bash\n"

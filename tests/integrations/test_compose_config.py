@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from pathlib import Path
 
@@ -268,3 +269,13 @@ def test_equal_services_are_one_key_whatever_they_ignored() -> None:
     one = ComposeService(name="default", origin="a", image="x", ignored=("init",))
     other = ComposeService(name="default", origin="a", image="x", ignored=())
     assert one == other and hash(one) == hash(other)
+
+
+def test_keys_without_meaning_are_listed_once_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path, "services:\n  default: {image: x, init: true, command: sleep 1}\n", name="once-compose.yaml")
+    service = load_compose(path, environ={})
+    with caplog.at_level(logging.INFO, logger="pytest_forkd.integrations.compose"):
+        compose.log_ignored(service)
+        compose.log_ignored(load_compose(path, environ={}))
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == ["forkd: once-compose.yaml: services.default: no meaning for a VM, ignored: command, init"]
