@@ -125,6 +125,21 @@ def test_bench_parts_report_pauses_memory_and_guest_speed(tmp_path: Path) -> Non
         assert "skipping uffd pause" in result.stderr
 
 
+def test_bench_images_part_compares_children_of_container_images() -> None:
+    """A tiny and a (here small) large image made by the bench, pulled, booted, forked; the busybox image's CPU."""
+    result = run_forkd("bench", "--parts", "images", "--image-mib", "64", "--repeats", "3")
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    for image in ("image_tiny", "image_large", "image_default"):
+        for name in ("fork_first_true_ms", "cpu_to_first_true_ms", "idle_pss_mib"):
+            assert_figure(printed[image][name], 3)
+    ratio = printed["image_large"]["fork_first_true_ms"]["p50"] / printed["image_tiny"]["fork_first_true_ms"]["p50"]
+    assert printed["image_large_over_tiny_fork_first_true"] == pytest.approx(ratio, abs=0.01)
+    assert printed["image_busybox_over_default_cpu_to_first_true"] > 0
+    assert printed["image_large_contents_match"] is True
+    assert printed["image_conditions"]["large_image_mib"] == 64 and printed["conditions"]["parts"] == ["images"]
+
+
 def test_bench_refuses_unknown_parts_before_starting_anything() -> None:
     result = run_forkd("bench", "--parts", "core,warp")
     assert result.returncode == 4

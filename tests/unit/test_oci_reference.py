@@ -44,8 +44,10 @@ def test_a_digest_pin_has_no_default_tag() -> None:
     assert (reference.tag, reference.digest, reference.repository) == (None, DIGEST, "library/python")
 
 
-def test_local_transports_keep_absolute_paths_and_tags(tmp_path: os.PathLike[str]) -> None:
-    os.chdir(tmp_path)
+def test_local_transports_keep_absolute_paths_and_tags(
+    tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
     assert parse_reference("oci:layout:v1") == ImageReference("oci", f"{tmp_path}/layout", tag="v1")
     assert parse_reference("oci:/x/layout") == ImageReference("oci", "/x/layout")
     assert str(parse_reference("oci-archive:img.tar:name")) == f"oci-archive:{tmp_path}/img.tar:name"
