@@ -704,7 +704,7 @@ def aboot(
     accel: str = "auto",
     network: NetworkChoice = None,
 ) -> Starting[AsyncVM]:
-    """Boot a root VM from ``image`` without blocking the event loop.
+    """Boot a root VM from ``image`` (a name or a container reference, as for ``boot``) without blocking the loop.
 
     ``async with aboot() as vm:`` closes it when the block ends; ``vm = await
     aboot()`` leaves that to you (``await vm.close()``). Cancelled while it

@@ -687,6 +687,11 @@ def boot(
 ) -> VM:
     """Start a root VM from ``image`` and return its handle (close it, or use ``with``).
 
+    ``image`` is a guest image name (``default``, or one built with ``forkd
+    image build``) or a container image reference: ``docker://REF``,
+    ``oci:DIR[:TAG]``, ``oci-archive:FILE[:TAG]``, ``docker-archive:FILE`` or
+    ``dockerfile:PATH`` (pulled or built on first use, then taken from the cache).
+
     ``network``: None/"none" (the default: no network), "outbound", "host", a
     list of host ports the guest may reach, or ``{"mode", "allow", "forward"}``.
     Bad arguments raise InvalidArgument before any QEMU process starts.

@@ -49,6 +49,7 @@ from pytest_forkd.integrations.image_sessions import ImageGuest
 if TYPE_CHECKING:
     from pydantic.functional_validators import ModelWrapValidatorHandler
     from pydantic_core import ErrorDetails
+    from typing_extensions import Self
 
 #: Where commands run and relative paths resolve when the snapshot names no ``workdir``
 #: (the guest's init starts the agent in root's home).
@@ -90,7 +91,7 @@ class ForkdSandboxConfig(BaseModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _every_mistake(cls, data: Any, handler: ModelWrapValidatorHandler[ForkdSandboxConfig]) -> ForkdSandboxConfig:
+    def _every_mistake(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         """A config with mistakes fails with one line per mistake, each naming its field (pydantic's error still)."""
         try:
             return handler(data)
