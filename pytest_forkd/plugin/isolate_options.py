@@ -19,7 +19,7 @@ from typing import Any, Final
 import pytest
 
 from pytest_forkd.errors import ConfigError
-from pytest_forkd.project.settings import ENV_PREFIX, INI_PREFIX, OPTION_PREFIX
+from pytest_forkd.project.settings import ENV_PREFIX, INI_PREFIX, OPTION_PREFIX, parse_flag
 
 MARKER: Final = "forkd_isolate"
 MARKER_HELP: Final = (
@@ -31,8 +31,6 @@ MARKER_HELP: Final = (
 MARKER_ARGS: Final = ("fresh", "timeout")
 #: Seconds an isolated test may take in its VM unless it says otherwise.
 DEFAULT_TIMEOUT_S: Final = 600.0
-_TRUE: Final = ("1", "true", "yes", "on")
-_FALSE: Final = ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)
@@ -91,15 +89,6 @@ def add_options(group: pytest.OptionGroup, parser: pytest.Parser) -> None:
     )
 
 
-def _flag(value: str, where: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ConfigError(f"{where}: expected one of {', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}, got {value!r}")
-
-
 def parse_timeout(value: object, where: str) -> float:
     """A timeout in seconds (> 0); ConfigError naming ``where`` otherwise."""
     try:
@@ -125,7 +114,7 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Iso
     if config.getoption("forkd_isolate", None):
         enabled = True
     elif environ.get(f"{ENV_PREFIX}ISOLATE", "") != "":
-        enabled = _flag(environ[f"{ENV_PREFIX}ISOLATE"], f"{ENV_PREFIX}ISOLATE")
+        enabled = parse_flag(environ[f"{ENV_PREFIX}ISOLATE"], f"{ENV_PREFIX}ISOLATE")
     else:
         enabled = bool(_ini(config, f"{INI_PREFIX}isolate"))
     timeout = DEFAULT_TIMEOUT_S

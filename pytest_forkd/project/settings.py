@@ -88,7 +88,8 @@ def _pool_size(value: str, where: str) -> int:
     return size
 
 
-def _flag(value: str, where: str) -> bool:
+def parse_flag(value: str, where: str) -> bool:
+    """An on/off setting's text (1/true/yes/on, 0/false/no/off or empty); ConfigError naming ``where`` otherwise."""
     lowered = value.strip().lower()
     if lowered in _TRUE:
         return True
@@ -219,7 +220,7 @@ OPTIONS: Final = (
         "before the first test that needs a VM, restore a pooled child for every test to come "
         "(as many as memory allows), so each test's VM is ready at once; the wait is reported as a session cost",
         False,
-        _flag,
+        parse_flag,
         is_flag=True,
         ini_type="bool",
     ),
@@ -235,7 +236,7 @@ OPTIONS: Final = (
         "keep_failed",
         "save a failing test's VM as snapshot failed-<test> in the persistent store, to inspect with `forkd shell`",
         False,
-        _flag,
+        parse_flag,
         is_flag=True,
         ini_type="bool",
     ),
