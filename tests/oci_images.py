@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import tarfile
@@ -324,7 +325,19 @@ def push(
         command += ["--format", "v2s2"]
     if authfile is not None:
         command += ["--dest-authfile", str(authfile)]
-    subprocess.run([*command, source, destination], check=True, capture_output=True, timeout=300)
+    subprocess.run([*command, source, destination], check=True, capture_output=True, timeout=300, env=skopeo_env())
+
+
+def skopeo_env() -> dict[str, str]:
+    """The environment the tests run skopeo in: a non-root user without XDG_RUNTIME_DIR gets a runtime folder.
+
+    Without one skopeo reads /run/containers/UID/auth.json, which fails when root has made /run/containers
+    its own (0700, once root ran podman): the same case forkd's own skopeo calls handle.
+    """
+    env = dict(os.environ)
+    if os.getuid() != 0 and not env.get("XDG_RUNTIME_DIR"):
+        env["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="forkd-tests-skopeo-run-")
+    return env
 
 
 # --- the busybox-only image -------------------------------------------------------------------

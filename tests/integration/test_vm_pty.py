@@ -130,9 +130,17 @@ def test_forkd_shell_is_a_real_terminal(factory: VMFactory, base_snapshot: Snaps
         terminal.type(b"tty; stty size\n")
         terminal.expect(rb"/dev/pts/\d+\r\n33 111\r\n")
         terminal.resize(44, 122)
-        time.sleep(1)  # the resize travels to the guest's terminal
-        terminal.type(b"stty size\n")
-        terminal.expect(rb"44 122\r\n")
+        # The resize travels to the guest's terminal; under emulation on a busy host that can take
+        # more than a second, so ask again until it shows (a resize that never arrives still fails).
+        deadline = time.monotonic() + 60
+        while True:
+            terminal.type(b"stty size\n")
+            try:
+                terminal.expect(rb"44 122\r\n", timeout=3)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
         terminal.type(b"sleep 100\n")
         time.sleep(2)
         terminal.type(b"\x03")  # Ctrl-C reaches the guest's foreground job, not forkd

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import oci_images
 import pytest
-from oci_images import LayerTar, push, write_layout
+from oci_images import LayerTar, push, skopeo_env, write_layout
 from registry import PASSWORD, USER, Registry, needs_registry
 
 from pytest_forkd.errors import (
@@ -249,7 +249,10 @@ def test_docker_v2_media_types_are_read(registry: Registry, image_store: Path, t
     reference = registry.reference("docker/format:1")
     push(written, reference, docker_format=True)
     raw = subprocess.run(
-        ["skopeo", "inspect", "--raw", "--tls-verify=false", reference], capture_output=True, check=True
+        ["skopeo", "inspect", "--raw", "--tls-verify=false", reference],
+        capture_output=True,
+        check=True,
+        env=skopeo_env(),
     ).stdout
     assert json.loads(raw)["mediaType"] == "application/vnd.docker.distribution.manifest.v2+json"
     image = pull_image(reference)
@@ -280,6 +283,7 @@ def test_local_sources_oci_oci_archive_and_docker_archive(image_store: Path, tmp
         ["skopeo", "copy", "--quiet", f"oci:{written.layout}:v1", f"docker-archive:{saved}:saved/image:v1"],
         check=True,
         capture_output=True,
+        env=skopeo_env(),
     )
     from_docker = pull_image(f"docker-archive:{saved}")
     assert from_docker.reference == f"docker-archive:{saved}"
