@@ -56,9 +56,13 @@ if [ "$TEST_TOOLS" = 1 ]; then
   # tests' registries on 127.0.0.1. Written only as root, and never over an administrator's own file.
   if [ "$IS_ROOT" = 1 ] && command -v podman >/dev/null; then
     mkdir -p /etc/containers/registries.conf.d
-    if [ ! -f /etc/containers/containers.conf ]; then
-      printf '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\n' > /etc/containers/containers.conf
-      echo "setup: wrote /etc/containers/containers.conf (runc, cgroupfs) for podman builds" >&2
+    # lock_type file: podman's locks stay in its runtime folder; the default (shm) leaves a lock file in
+    # /dev/shm for root and one per user that outlives every run. An earlier set-up's file is rewritten.
+    conf=/etc/containers/containers.conf
+    if [ ! -f "$conf" ] || [ "$(cat "$conf")" = "$(printf '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"')" ]; then
+      printf '# pytest-forkd scripts/setup.sh: podman builds for the container image tests\n[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nlock_type = "file"\n' \
+        > "$conf"
+      echo "setup: wrote $conf (runc, cgroupfs, file locks) for podman builds" >&2
     fi
     if [ ! -f /etc/containers/registries.conf.d/50-forkd-tests.conf ]; then
       printf '[[registry]]\nlocation = "127.0.0.1"\ninsecure = true\n\n[[registry]]\nlocation = "localhost"\ninsecure = true\n' \

@@ -15,6 +15,7 @@ from pytest_forkd.errors import ExecTimeout
 from pytest_forkd.guest.exec_result import ExecResult
 from pytest_forkd.image import ensure_container_image
 from pytest_forkd.image.oci.reference import is_reference
+from pytest_forkd.image.oci.store import PULL_POLICIES
 from pytest_forkd.project.lifecycle import find_snapshot
 from pytest_forkd.storage.store import SnapshotStore
 
@@ -35,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument(
         "--pull",
-        choices=("missing", "always", "never"),
+        choices=PULL_POLICIES,
         default="missing",
         help="when a container image is pulled: missing (a reference pulled before is used offline), always, "
         "never (default: %(default)s)",

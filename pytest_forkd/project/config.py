@@ -74,6 +74,7 @@ import yaml
 from pytest_forkd.engine.network import NetworkSpec, network_spec
 from pytest_forkd.errors import ConfigError, ConfigProblems, InvalidArgument, did_you_mean
 from pytest_forkd.image.oci.reference import is_reference, parse_reference
+from pytest_forkd.image.oci.store import PULL_POLICIES
 from pytest_forkd.latency.budgets import Budget, budgets_from_config
 from pytest_forkd.paths import BASE_SNAPSHOT as BASE_SNAPSHOT  # re-exported: the project's names for them
 from pytest_forkd.paths import PROJECT_FILE as PROJECT_FILE
@@ -100,8 +101,6 @@ SETTING_KEYS: Final = (
     "pull",
     "insecure_registries",
 )
-#: Values of ``settings.pull``: when a container image is pulled again (Docker's pull policies).
-PULL_POLICIES: Final = ("missing", "always", "never")
 _TOP_LEVEL_KEYS: Final = ("settings", "images", "snapshots", "budgets")
 _SNAPSHOT_KEYS: Final = ("from", "memory_mib", "vcpus", "env", "workdir", "files", "setup", "shared", "network")
 _IMAGE_KEYS: Final = ("recipe", "packages", "files", "setup")

@@ -65,8 +65,10 @@ def _image_reference(value: str, where: str) -> str:
 
 
 def _pull_policy(value: str, where: str) -> str:
-    if value not in ("missing", "always", "never"):
-        raise ConfigError(f"{where}: expected missing, always or never, got {value!r}")
+    from pytest_forkd.image.oci.store import PULL_POLICIES
+
+    if value not in PULL_POLICIES:
+        raise ConfigError(f"{where}: expected {', '.join(PULL_POLICIES)}, got {value!r}")
     return value
 
 

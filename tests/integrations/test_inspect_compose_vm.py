@@ -213,7 +213,10 @@ def test_an_image_that_cannot_be_pulled_fails_its_samples_and_the_others_go_on(
 def agent_sample(agent_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkdSandboxEnvironment]:
     task_dir = tmp_path_factory.mktemp("self-check")
     (task_dir / "compose.yaml").write_text(
+        # 512 MiB, as a container gets the host's memory: the suite writes 50 MiB as a non-root user, which
+        # passes through an upload file, both in the guest's memory.
         f"services:\n  default:\n    image: {agent_image}\n    network_mode: none\n    init: true\n"
+        "    mem_limit: 512m\n"
     )
     config = str(task_dir / "compose.yaml")
 
