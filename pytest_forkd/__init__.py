@@ -50,15 +50,15 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .aio import AsyncCheckpoint, AsyncGuestProcess, AsyncSnapshot, AsyncVM, aboot
-    from .core.archive import export_snapshot
-    from .core.changes import Change, Changes
+    from .analysis.changes import Change, Changes
+    from .analysis.trajectory import BisectResult, Trajectory
+    from .analysis.transcript import Transcript
+    from .archives.archive import export_snapshot
     from .core.checkpoint import Checkpoint
     from .core.copy import CopyResult
     from .core.factory import VMFactory, boot, import_snapshot
     from .core.process import GuestProcess, ProcessOutput
     from .core.runtime import Runtime
-    from .core.trajectory import BisectResult, Trajectory
-    from .core.transcript import Transcript
     from .core.vm import VM
     from .guest.exec_result import ExecResult
     from .storage.snapshot import Snapshot
@@ -73,19 +73,19 @@ _LAZY: dict[str, str] = {
     "AsyncVM": "pytest_forkd.aio",
     "aboot": "pytest_forkd.aio",
     "import_snapshot": "pytest_forkd.core.factory",
-    "Change": "pytest_forkd.core.changes",
-    "Changes": "pytest_forkd.core.changes",
+    "Change": "pytest_forkd.analysis.changes",
+    "Changes": "pytest_forkd.analysis.changes",
     "Checkpoint": "pytest_forkd.core.checkpoint",
     "CopyResult": "pytest_forkd.core.copy",
     "VMFactory": "pytest_forkd.core.factory",
     "boot": "pytest_forkd.core.factory",
     "Runtime": "pytest_forkd.core.runtime",
-    "BisectResult": "pytest_forkd.core.trajectory",
-    "Trajectory": "pytest_forkd.core.trajectory",
-    "Transcript": "pytest_forkd.core.transcript",
+    "BisectResult": "pytest_forkd.analysis.trajectory",
+    "Trajectory": "pytest_forkd.analysis.trajectory",
+    "Transcript": "pytest_forkd.analysis.transcript",
     "VM": "pytest_forkd.core.vm",
     "ExecResult": "pytest_forkd.guest.exec_result",
-    "export_snapshot": "pytest_forkd.core.archive",
+    "export_snapshot": "pytest_forkd.archives.archive",
     "Snapshot": "pytest_forkd.storage.snapshot",
 }
 

@@ -41,12 +41,12 @@ from .offload import LoopGuard, offload, running_loop, settled, uninterruptible
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from pytest_forkd.core.changes import Changes
+    from pytest_forkd.analysis.changes import Changes
+    from pytest_forkd.analysis.transcript import Transcript
     from pytest_forkd.core.checkpoint import Checkpoint
     from pytest_forkd.core.copy import CopyResult
     from pytest_forkd.core.handles import VMOwner
     from pytest_forkd.core.process import GuestProcess
-    from pytest_forkd.core.transcript import Transcript
     from pytest_forkd.core.vm import VM
     from pytest_forkd.engine.base import AnyMachine
     from pytest_forkd.engine.network import NetworkChoice, NetworkSpec
@@ -368,7 +368,7 @@ class AsyncVM(_AsyncContext):
     ) -> Changes:
         """``VM.changes``, awaited: what changed in the guest's filesystem since a checkpoint or snapshot.
 
-        The :class:`~pytest_forkd.core.changes.Changes` it returns is the sync
+        The :class:`~pytest_forkd.analysis.changes.Changes` it returns is the sync
         one: its ``diff()`` and ``read()`` of new contents block, so call them
         from a worker (``asyncio.to_thread``) inside a busy event loop.
         """

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from pytest_forkd.core.trajectory import DEFAULT_EVERY
+from pytest_forkd.analysis.trajectory import DEFAULT_EVERY
 from pytest_forkd.engine.host import ACCELS
 from pytest_forkd.errors import ConfigError, TranscriptError
 
@@ -55,10 +55,10 @@ def _env(pairs: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pytest_forkd.analysis.replay import plan_replay
+    from pytest_forkd.analysis.trajectory import Trajectory
+    from pytest_forkd.analysis.transcript import read_jsonl
     from pytest_forkd.core.factory import VMFactory
-    from pytest_forkd.core.replay import plan_replay
-    from pytest_forkd.core.trajectory import Trajectory
-    from pytest_forkd.core.transcript import read_jsonl
     from pytest_forkd.storage.store import SnapshotStore
 
     transcript = read_jsonl(args.transcript)

@@ -271,7 +271,7 @@ def run_rm(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from pytest_forkd.core.archive import export_snapshot
+    from pytest_forkd.archives.archive import export_snapshot
 
     root = SnapshotStore(args.store or paths.snapshots_dir())
     project = _project_dir(args.project) if args.project is not None else None
@@ -286,7 +286,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from pytest_forkd.core.archive import import_archive
+    from pytest_forkd.archives.archive import import_archive
 
     project = _project_dir(args.project) if args.project is not None else None
     info = import_archive(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Generic, Iterable, Protocol, TypeVar
 from pytest_forkd.storage.snapshot import Snapshot
 
 if TYPE_CHECKING:
-    from pytest_forkd.core.changes import Changes
+    from pytest_forkd.analysis.changes import Changes
 
 
 class CheckpointedVM(Protocol):

@@ -340,7 +340,7 @@ class VMFactory:
     # -- snapshots ----------------------------------------------------------------
     def export_snapshot(self, snapshot: Snapshot, destination: Path | str) -> Path:
         """Write ``snapshot`` and its image into the archive ``destination`` (see :meth:`Snapshot.export`)."""
-        from pytest_forkd.core.archive import export_snapshot
+        from pytest_forkd.archives.archive import export_snapshot
 
         return export_snapshot(snapshot, destination).path
 
@@ -720,9 +720,9 @@ def import_snapshot(
     The record is attached to the process-wide factory behind
     :func:`pytest_forkd.boot`, so ``import_snapshot(path).fork()`` starts
     children at once (close them when done). See
-    :func:`pytest_forkd.core.archive.import_archive`.
+    :func:`pytest_forkd.archives.archive.import_archive`.
     """
-    from pytest_forkd.core.archive import import_archive
+    from pytest_forkd.archives.archive import import_archive
 
     info = import_archive(path, store=store, replace=replace, name=name, project=project)
     assert info.snapshot is not None

@@ -2,7 +2,7 @@
 
 The VM (:mod:`pytest_forkd.core.vm`) is built from parts that each do one job
 for it: taking snapshots (:mod:`~pytest_forkd.core.branching`), comparing
-filesystems (:mod:`~pytest_forkd.core.changes`), following guest processes
+filesystems (:mod:`~pytest_forkd.analysis.changes`), following guest processes
 (:mod:`~pytest_forkd.core.process`), parking pooled children
 (:mod:`~pytest_forkd.core.pool`). They work on a VM, and the VM works with the
 factory that started it, but none of them imports the VM or the factory: they
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from pytest_forkd.analysis.transcript import Transcript
 from pytest_forkd.core.runtime import Runtime
-from pytest_forkd.core.transcript import Transcript
 from pytest_forkd.engine.base import AnyEngine, AnyMachine
 from pytest_forkd.guest.client import AgentClient
 from pytest_forkd.guest.exec_result import ExecResult

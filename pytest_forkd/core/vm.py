@@ -4,7 +4,7 @@ A :class:`VM` pairs one machine (a :class:`~pytest_forkd.engine.base.Machine`
 of the factory's engine: a QEMU process, or the fake engine's agent process)
 with the guest agent's connection. It turns channel failures into
 :class:`GuestCrashed` errors that carry the console tail, records how long
-every operation took, and keeps a :class:`~pytest_forkd.core.transcript.Transcript`
+every operation took, and keeps a :class:`~pytest_forkd.analysis.transcript.Transcript`
 of every operation for failure reports, transcript files and replays. VMs are
 created by a :class:`~pytest_forkd.core.factory.VMFactory`, which owns them and
 kills them all on close.
@@ -17,13 +17,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
+from pytest_forkd.analysis.changes import changes_since, record_manifest
+from pytest_forkd.analysis.transcript import Transcript
 from pytest_forkd.core import validate
 from pytest_forkd.core.branching import _auto_tag, branch, freeze
-from pytest_forkd.core.changes import changes_since, record_manifest
 from pytest_forkd.core.checkpoint import Checkpoint
 from pytest_forkd.core.handles import VMOwner
 from pytest_forkd.core.process import GuestProcess, output_bounds
-from pytest_forkd.core.transcript import Transcript
 from pytest_forkd.engine.network import (
     FORWARD_WAIT_S,
     NetworkChoice,
@@ -42,7 +42,7 @@ from pytest_forkd.paths import validate_tag
 from pytest_forkd.waiting import poll_until
 
 if TYPE_CHECKING:
-    from pytest_forkd.core.changes import Changes
+    from pytest_forkd.analysis.changes import Changes
     from pytest_forkd.core.copy import CopyResult
     from pytest_forkd.engine.base import AnyMachine
     from pytest_forkd.image import Image
@@ -77,7 +77,7 @@ class VM:
         self.memory_base = memory_base
         """The snapshot whose flat memory file this VM maps copy-on-write (diffs are taken against it)."""
         self.transcript = Transcript(machine.name, origin)
-        """Every operation asked of this VM, in order (see :mod:`pytest_forkd.core.transcript`)."""
+        """Every operation asked of this VM, in order (see :mod:`pytest_forkd.analysis.transcript`)."""
         self.generation = 0
         """Bumped by every operation that may change guest state (exec, write_file, restore)."""
         self._cold = True
@@ -509,7 +509,7 @@ class VM:
     ) -> "Changes":
         """What changed in the guest's filesystem since a checkpoint or snapshot (default: ``origin``).
 
-        Returns :class:`~pytest_forkd.core.changes.Changes`: ``added``, ``modified``
+        Returns :class:`~pytest_forkd.analysis.changes.Changes`: ``added``, ``modified``
         (content, mode, owner, symlink target) and ``deleted`` paths, ``diff()``
         and ``read()``. ``include``/``exclude`` are absolute guest paths or glob
         patterns; /proc, /sys, /dev and /run are never included. A point that is

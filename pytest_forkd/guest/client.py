@@ -392,7 +392,7 @@ class AgentClient:
     """Talks to the guest agent over a connected stream socket, which it owns.
 
     What a VM was asked to do is kept by its transcript
-    (:class:`~pytest_forkd.core.transcript.Transcript`), not here.
+    (:class:`~pytest_forkd.analysis.transcript.Transcript`), not here.
     """
 
     def __init__(self, sock: socket.socket) -> None:

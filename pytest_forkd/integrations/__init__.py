@@ -10,3 +10,12 @@ May import: every layer below (foundation, guest, image, engine, storage,
 latency, core, project, aio). Nothing inside the package imports it except
 the plugin's framework fixtures, lazily.
 """
+
+from pytest_forkd.moved import alias
+
+alias(
+    {
+        "pytest_forkd.integrations.image_sessions": "pytest_forkd.integrations.sessions",
+        "pytest_forkd.integrations.shared_sessions": "pytest_forkd.integrations.sessions",
+    }
+)

@@ -67,7 +67,6 @@ from pytest_forkd.core.pool import available_memory_mib, memory_bound
 from pytest_forkd.errors import AgentError, ExecTimeout, ForkdError, InvalidArgument, WrongEventLoop
 from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.guest.exec_result import ExecResult as GuestResult
-from pytest_forkd.integrations.image_sessions import ImageDefaults, ImageGuest, image_defaults, open_image_session
 from pytest_forkd.integrations.inspect_support import (
     CONFIG_FILES,
     DEFAULT_WORKDIR,
@@ -99,7 +98,7 @@ from pytest_forkd.integrations.inspect_support import (
     user_error,
     write_as_user,
 )
-from pytest_forkd.integrations.shared_sessions import SESSIONS
+from pytest_forkd.integrations.sessions import SESSIONS, ImageDefaults, ImageGuest, image_defaults, open_image_session
 from pytest_forkd.project.session import ForkdSession
 
 __all__ = ["ForkdSandboxConfig", "ForkdSandboxEnvironment", "ForkdSandboxError", "lend_session"]

@@ -44,7 +44,7 @@ from pytest_forkd.integrations.compose import (
     log_ignored,
     parse_compose,
 )
-from pytest_forkd.integrations.image_sessions import ImageGuest
+from pytest_forkd.integrations.sessions import ImageGuest
 
 if TYPE_CHECKING:
     from pydantic.functional_validators import ModelWrapValidatorHandler

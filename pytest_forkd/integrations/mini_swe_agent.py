@@ -55,8 +55,7 @@ from pytest_forkd.core.vm import VM
 from pytest_forkd.errors import ConfigError, ExecTimeout, ForkdError
 from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.guest.exec_result import ExecResult as GuestResult
-from pytest_forkd.integrations.image_sessions import ImageGuest, open_image_session
-from pytest_forkd.integrations.shared_sessions import SESSIONS
+from pytest_forkd.integrations.sessions import SESSIONS, ImageGuest, open_image_session
 from pytest_forkd.project.session import ForkdSession
 
 __all__ = ["SUBMIT_SENTINEL", "ForkdEnvironment", "ForkdEnvironmentConfig"]

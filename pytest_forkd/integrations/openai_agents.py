@@ -19,7 +19,7 @@ SDK's Docker client takes an image), taken from a pool kept warm, so a
 session starts with a fork rather than a boot. The snapshot is
 built or restored once per process and (forkd.yaml, snapshot, pool) by a
 :class:`~pytest_forkd.project.session.ForkdSession` that every client of the
-process shares (:mod:`pytest_forkd.integrations.shared_sessions`). Under pytest,
+process shares (:mod:`pytest_forkd.integrations.sessions`). Under pytest,
 the ``forkd_sandbox_client`` fixture makes a client on the run's own forkd
 session instead: its sessions are children of the parent VM's state.
 
@@ -58,13 +58,12 @@ from agents.sandbox.snapshot import SnapshotBase, SnapshotSpec, resolve_snapshot
 from pytest_forkd.aio.offload import offload, uninterruptible
 from pytest_forkd.aio.vm import AsyncCheckpoint, AsyncVM, Starting
 from pytest_forkd.core.vm import VM
-from pytest_forkd.integrations.image_sessions import ImageGuest, canonical_reference, open_image_session
 from pytest_forkd.integrations.openai_agents_session import (
     BACKEND_ID,
     ForkdSandboxSession,
     ForkdSandboxSessionState,
 )
-from pytest_forkd.integrations.shared_sessions import SESSIONS
+from pytest_forkd.integrations.sessions import SESSIONS, ImageGuest, canonical_reference, open_image_session
 from pytest_forkd.project.settings import VMChoice
 
 if TYPE_CHECKING:

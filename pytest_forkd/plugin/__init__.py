@@ -25,7 +25,7 @@ Fixtures
         ``forkd_budget(exec_ms=50, fork_ms=300)``: per-test latency limits,
         like the marker of the same name, set from inside the test.
     ``forkd_trajectory`` (function)
-        a :class:`~pytest_forkd.core.trajectory.Trajectory` of ``forkd_vm``: run an
+        a :class:`~pytest_forkd.analysis.trajectory.Trajectory` of ``forkd_vm``: run an
         agent's steps with a diff checkpoint every 10, then ``bisect(predicate)``
         to the first bad step. Its checkpoints are deleted after the test.
     ``forkd_sandbox_client`` (function)
@@ -50,7 +50,7 @@ Markers
 Isolation: ``pytest --forkd-isolate`` (ini ``forkd_isolate``, env
 ``PYTEST_FORKD_ISOLATE``) runs an existing suite's tests, unchanged, each in
 its own child VM of a parent where the suite is collected and its session-
-and module-scoped fixtures are set up once (see :mod:`pytest_forkd.plugin.isolate`).
+and module-scoped fixtures are set up once (see :mod:`pytest_forkd.isolate.hooks`).
 
 Settings precedence: marker > command line > ``PYTEST_FORKD_*`` > ini
 ``forkd_*`` > forkd.yaml ``settings:`` > default (see
@@ -60,7 +60,7 @@ snapshot ``failed-<test>``. Every VM keeps a transcript of what it was asked
 to do: the report of a failing test shows its tail, ``--forkd-transcript=DIR``
 writes one JSON Lines file per test (its path is the junit property
 ``forkd_transcript`` and, with pytest-html, an extra), and ``assert`` on a
-:class:`~pytest_forkd.core.changes.Changes` explains the difference.
+:class:`~pytest_forkd.analysis.changes.Changes` explains the difference.
 
 Latency: every VM operation is timed and attributed to the running test
 (work of session-, module- and class-scoped fixtures to no test). A per-test
@@ -89,11 +89,12 @@ resolving them), :mod:`~pytest_forkd.plugin.state` (the run's state in
 (header, failure sections, end-of-run tables, stored runs),
 :mod:`~pytest_forkd.plugin.progress` (build progress on the terminal),
 :mod:`~pytest_forkd.plugin.html_report` (``--forkd-report``),
-:mod:`~pytest_forkd.plugin.xdist`, :mod:`~pytest_forkd.plugin.isolate` (with its
-``isolate_*`` modules) and :mod:`~pytest_forkd.project.session`
+:mod:`~pytest_forkd.plugin.xdist` and :mod:`~pytest_forkd.project.session`
 (the ``forkd`` fixture's session). This module is the ``pytest11`` entry
 point: it re-exports every hook and fixture, so pytest finds them all by
 registering this one module, and ``-p no:forkd`` disables all of them.
+``--forkd-isolate`` is a package of its own, :mod:`pytest_forkd.isolate`,
+whose options and hooks this module registers.
 
 May import: every layer below (foundation, guest, image, engine, storage,
 latency, core, project, aio), lazily for anything heavy. Nothing imports it

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from pytest_forkd.aio import AsyncVM
+    from pytest_forkd.analysis.trajectory import Trajectory
     from pytest_forkd.core.checkpoint import Checkpoint
-    from pytest_forkd.core.trajectory import Trajectory
     from pytest_forkd.core.vm import VM
     from pytest_forkd.engine.network import NetworkChoice
     from pytest_forkd.latency.budgets import Budget
@@ -203,7 +203,7 @@ def forkd_budget(request: pytest.FixtureRequest) -> Callable[..., list[Budget]]:
 @pytest.fixture
 def forkd_trajectory(forkd_vm: VM) -> Iterator[Trajectory]:
     """A Trajectory of ``forkd_vm`` (diff checkpoint every 10 steps), ready for ``bisect``."""
-    from pytest_forkd.core.trajectory import Trajectory
+    from pytest_forkd.analysis.trajectory import Trajectory
 
     with Trajectory(forkd_vm) as trajectory:
         yield trajectory

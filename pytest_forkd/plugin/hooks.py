@@ -46,7 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(state), "forkd-xdist")
     config.pluginmanager.register(PrefixRestorer(config), "forkd-progress")
-    from pytest_forkd.plugin.isolate import IsolationHooks  # its hooks act once a test is selected
+    from pytest_forkd.isolate.hooks import IsolationHooks  # its hooks act once a test is selected
 
     config.pluginmanager.register(IsolationHooks(state), "forkd-isolate")
     if config.getoption("forkd_report", None) and getattr(config, "workerinput", None) is None:
@@ -299,8 +299,8 @@ def _fail_with(test_report: pytest.TestReport, message: str) -> None:
 
 
 def pytest_assertrepr_compare(config: pytest.Config, op: str, left: object, right: object) -> list[str] | None:
-    """Explain a failed comparison of :class:`~pytest_forkd.core.changes.Changes` or its path sets."""
-    changes = sys.modules.get("pytest_forkd.core.changes")
+    """Explain a failed comparison of :class:`~pytest_forkd.analysis.changes.Changes` or its path sets."""
+    changes = sys.modules.get("pytest_forkd.analysis.changes")
     if changes is None:  # not imported, so neither side can be one of its values
         return None
     return changes.explain_comparison(op, left, right)  # type: ignore[no-any-return]

@@ -82,7 +82,7 @@ def reports_group(parser: pytest.Parser) -> pytest.OptionGroup:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     forkd_settings.add_options(vms_group(parser), parser)
-    from pytest_forkd.plugin import isolate_options  # its own module: the plugin's import stays small
+    from pytest_forkd.isolate import options as isolate_options  # its own module: the plugin's import stays small
 
     isolate_options.add_options(vms_group(parser), parser)
     _add_timing_options(timings_group(parser))
@@ -163,8 +163,8 @@ def _add_report_options(group: pytest.OptionGroup) -> None:
 
 def add_markers(config: pytest.Config) -> None:
     """Declare the forkd markers (so ``--strict-markers`` knows them)."""
+    from pytest_forkd.isolate.options import MARKER_HELP as ISOLATE_MARKER_HELP
     from pytest_forkd.latency.budgets import MARKER_HELP as BUDGET_MARKER_HELP
-    from pytest_forkd.plugin.isolate_options import MARKER_HELP as ISOLATE_MARKER_HELP
 
     config.addinivalue_line("markers", forkd_settings.MARKER_HELP)
     config.addinivalue_line("markers", DANGEROUS_MARKER_HELP)

@@ -132,7 +132,7 @@ def write_transcript(item: pytest.Item) -> Path | None:
     vms = test_vms(item) if path is not None else []
     if path is None or not vms:
         return None
-    from pytest_forkd.core.transcript import write_jsonl
+    from pytest_forkd.analysis.transcript import write_jsonl
 
     write_jsonl(path, [vm.transcript for vm in vms], test=item.nodeid, outcome=item.stash.get(TEST_OUTCOME, "passed"))
     item.user_properties.append((TRANSCRIPT_PROPERTY, str(path)))

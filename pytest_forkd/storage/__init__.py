@@ -6,7 +6,7 @@ restored; the built-in ones live in the top-level ``backends`` package and
 register through the same pluggy hook as third-party ones.
 
 Also the store's layout of project namespaces (portable snapshot archives
-need the engine's facts and live in :mod:`pytest_forkd.core.archive`).
+need the engine's facts and live in :mod:`pytest_forkd.archives.archive`).
 
 Layer 3 of docs/ARCHITECTURE.md, beside latency and the built-in backends. May
 import: the foundation (errors, paths, private, processes, sizes, tables,

@@ -279,7 +279,7 @@ class Snapshot:
 
         Another host (or a fresh cache) imports it with
         :func:`pytest_forkd.import_snapshot` or ``forkd snapshots import`` and forks
-        from it without building anything. See :mod:`pytest_forkd.core.archive`
+        from it without building anything. See :mod:`pytest_forkd.archives.archive`
         (:func:`pytest_forkd.export_snapshot` exports a detached record).
         """
         owner = self._owner("write an archive", ", or export it with pytest_forkd.export_snapshot(snapshot, path)")

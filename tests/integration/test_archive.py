@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 
 import pytest_forkd
-from pytest_forkd.core import archive
+from pytest_forkd.archives import archive
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
 from pytest_forkd.engine.qemu.host import find_qemu

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from pytest_forkd.core.changes import Changes
+from pytest_forkd.analysis.changes import Changes
 from pytest_forkd.errors import ChangesError, ForkdError
 
 WORK = "/srv/work"

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from pytest_forkd.core import archive, branching
+from pytest_forkd.archives import archive, branching
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.engine import rundir, space
 from pytest_forkd.errors import ArchiveError, GuestCrashed, HostNotReady, SnapshotError

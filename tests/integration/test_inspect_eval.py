@@ -36,7 +36,7 @@ from inspect_ai.tool import bash  # noqa: E402
 from inspect_scripts import offline_tokens, outputs_of, scripted_model  # noqa: E402
 
 from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxConfig  # noqa: E402
-from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+from pytest_forkd.integrations.sessions import SESSIONS  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 

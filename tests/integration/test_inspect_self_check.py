@@ -26,7 +26,7 @@ from inspect_ai.util import SandboxUserUnsupportedError  # noqa: E402
 from inspect_ai.util._sandbox import self_check  # noqa: E402
 
 from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
-from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+from pytest_forkd.integrations.sessions import SESSIONS  # noqa: E402
 
 #: Checks whose premise does not hold in forkd's guest, and why.
 NOT_APPLICABLE = {

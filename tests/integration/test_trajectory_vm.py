@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_forkd.core.trajectory import Trajectory
+from pytest_forkd.analysis.trajectory import Trajectory
 from pytest_forkd.errors import BisectError
 
 BAD = 137

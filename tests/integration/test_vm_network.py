@@ -223,7 +223,7 @@ def test_the_guest_has_the_driver_and_a_static_address(net_vm: VM, vm: VM) -> No
 
 def test_a_networked_snapshot_survives_export_and_import(net_vm: VM, tmp_path) -> None:
     from pytest_forkd import import_snapshot
-    from pytest_forkd.core import archive
+    from pytest_forkd.archives import archive
 
     start_guest_server(net_vm)
     net_vm.forward(GUEST_PORT)

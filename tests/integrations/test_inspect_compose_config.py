@@ -26,9 +26,11 @@ from inspect_scripts import offline_tokens, scripted_model  # noqa: E402
 from pytest_forkd.errors import ConfigError  # noqa: E402
 from pytest_forkd.integrations import inspect_support as support  # noqa: E402
 from pytest_forkd.integrations.compose import ServiceBuild  # noqa: E402
-from pytest_forkd.integrations.image_sessions import ImageGuest  # noqa: E402
 from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
-from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+from pytest_forkd.integrations.sessions import (
+    SESSIONS,  # noqa: E402
+    ImageGuest,  # noqa: E402
+)
 
 COMPOSE = """\
 services:

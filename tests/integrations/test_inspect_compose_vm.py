@@ -37,7 +37,7 @@ from inspect_ai.util._sandbox import self_check  # noqa: E402
 from inspect_scripts import offline_tokens, outputs_of, scripted_model  # noqa: E402
 
 from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
-from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+from pytest_forkd.integrations.sessions import SESSIONS  # noqa: E402
 
 pytestmark = pytest.mark.vm
 

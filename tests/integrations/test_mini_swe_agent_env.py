@@ -27,9 +27,11 @@ from pytest_forkd.core.vm import VM  # noqa: E402
 from pytest_forkd.engine.fake import guest_path  # noqa: E402
 from pytest_forkd.errors import ConfigError  # noqa: E402
 from pytest_forkd.integrations import mini_swe_agent  # noqa: E402
-from pytest_forkd.integrations.image_sessions import ImageGuest  # noqa: E402
 from pytest_forkd.integrations.mini_swe_agent import ForkdEnvironment  # noqa: E402
-from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+from pytest_forkd.integrations.sessions import (
+    SESSIONS,  # noqa: E402
+    ImageGuest,  # noqa: E402
+)
 from pytest_forkd.storage.snapshot import Snapshot  # noqa: E402
 
 CLASS_PATH = "pytest_forkd.integrations.mini_swe_agent.ForkdEnvironment"

@@ -27,7 +27,7 @@ from minisweagent.environments import get_environment  # noqa: E402
 from minisweagent.models.test_models import DeterministicModel, make_output  # noqa: E402
 
 from pytest_forkd.integrations.mini_swe_agent import ForkdEnvironment  # noqa: E402
-from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+from pytest_forkd.integrations.sessions import SESSIONS  # noqa: E402
 
 pytestmark = pytest.mark.vm
 

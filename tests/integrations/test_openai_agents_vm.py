@@ -42,7 +42,7 @@ from pytest_forkd.integrations.openai_agents import (  # noqa: E402
     ForkdSandboxClient,
     ForkdSandboxClientOptions,
 )
-from pytest_forkd.integrations.shared_sessions import SESSIONS  # noqa: E402
+from pytest_forkd.integrations.sessions import SESSIONS  # noqa: E402
 
 pytestmark = pytest.mark.vm
 

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from pytest_forkd.errors import ConfigError
-from pytest_forkd.plugin import isolate_plan, isolate_reports
-from pytest_forkd.plugin.isolate_options import DEFAULT_TIMEOUT_S, IsolateSettings, isolated_test, parse_timeout
+from pytest_forkd.isolate import plan as isolate_plan
+from pytest_forkd.isolate import reports as isolate_reports
+from pytest_forkd.isolate.options import DEFAULT_TIMEOUT_S, IsolateSettings, isolated_test, parse_timeout
 
 pytest_plugins = ["pytester"]
 
@@ -22,7 +23,7 @@ def collect(pytester: pytest.Pytester, *args: str, source: str = "def test_x():\
 
 
 def resolved(pytester: pytest.Pytester, *args: str, environ: dict[str, str] | None = None) -> IsolateSettings:
-    from pytest_forkd.plugin.isolate_options import resolve
+    from pytest_forkd.isolate.options import resolve
 
     config = pytester.parseconfigure(*args)
     return resolve(config, environ or {})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_forkd.core.transcript import read_jsonl
+from pytest_forkd.analysis.transcript import read_jsonl
 
 pytestmark = pytest.mark.vm
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from agent_pair import AgentPair
 
+from pytest_forkd.analysis.transcript import Transcript
 from pytest_forkd.core.process import GuestProcess, output_bounds
-from pytest_forkd.core.transcript import Transcript
 from pytest_forkd.errors import (
     CommandNotFound,
     GuestProtocolError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_forkd.core.changes import Change, Changes, Paths, compare, explain_comparison, resolve_candidates
-from pytest_forkd.core.manifest import MAGIC, VERSION, Entry, Manifest, ManifestFormatError
+from pytest_forkd.analysis.changes import Change, Changes, Paths, compare, explain_comparison, resolve_candidates
+from pytest_forkd.analysis.manifest import MAGIC, VERSION, Entry, Manifest, ManifestFormatError
 from pytest_forkd.errors import ChangesError
 
 FILE, DIR, LINK = 0o100644, 0o040755, 0o120777

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from pytest_forkd import plugin
+from pytest_forkd.archives.archive import SUFFIX
 from pytest_forkd.cli import build_parser
-from pytest_forkd.core.archive import SUFFIX
 from pytest_forkd.project.config import BASE_SNAPSHOT, load_project
 
 ROOT = Path(__file__).resolve().parents[2]

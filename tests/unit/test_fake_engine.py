@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from pytest_forkd.analysis.trajectory import Trajectory
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.pool import MAX_FAILURES, ChildPool
-from pytest_forkd.core.trajectory import Trajectory
 from pytest_forkd.core.vm import VM
 from pytest_forkd.engine.base import Capabilities, engine_class, engine_names, make_engine
 from pytest_forkd.engine.fake import FakeEngine, FakeMachine, guest_path

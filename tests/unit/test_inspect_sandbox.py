@@ -36,7 +36,7 @@ from pytest_forkd.guest.client import GuestOSError  # noqa: E402
 from pytest_forkd.guest.exec_result import ExecResult  # noqa: E402
 from pytest_forkd.integrations import inspect_support as support  # noqa: E402
 from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
-from pytest_forkd.integrations.shared_sessions import SESSIONS, SharedSessions  # noqa: E402
+from pytest_forkd.integrations.sessions import SESSIONS, SharedSessions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

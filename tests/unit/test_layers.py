@@ -10,15 +10,15 @@ another's types for the checker depends on it as much as one that calls it.
 The layers, bottom to top (a module may import its own layer and any layer
 below it; docs/ARCHITECTURE.md draws them):
 
-0. foundation: ``errors``, ``paths``, ``private``, ``processes``, ``sizes``, ``tables``, ``version``,
-   ``waiting``
+0. foundation: ``errors``, ``moved``, ``paths``, ``private``, ``processes``, ``sizes``, ``tables``,
+   ``version``, ``waiting``
 1. ``guest``, ``image``
 2. ``engine``
 3. ``storage``, ``latency``, and the built-in ``backends``
-4. ``core``
+4. ``core`` (the VM life cycle), ``analysis``, ``archives``
 5. ``project``
 6. ``aio``
-7. ``plugin``, ``cli``, ``integrations``
+7. ``plugin``, ``cli``, ``integrations``, ``isolate``, ``e2b``
 
 The package root ``pytest_forkd/__init__.py`` is the public facade: it may
 name anything (lazily), and nothing inside the package imports it.
@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "version": 0,
     "waiting": 0,
     "tables": 0,
+    "moved": 0,
     "guest": 1,
     "image": 1,
     "engine": 2,
@@ -54,11 +55,15 @@ LAYERS: dict[str, int] = {
     "latency": 3,
     BACKENDS: 3,
     "core": 4,
+    "analysis": 4,
+    "archives": 4,
     "project": 5,
     "aio": 6,
     "plugin": 7,
     "cli": 7,
     "integrations": 7,
+    "isolate": 7,
+    "e2b": 7,
 }
 FACADE = PACKAGE  # the package root: may import anything, imported by nothing inside
 

@@ -368,7 +368,7 @@ def test_a_record_without_network_has_no_network_field(tmp_path):
 
 
 def test_export_finds_the_machine_of_a_snapshot_with_a_network_card(tmp_path, monkeypatch):
-    from pytest_forkd.core.archive import _machine_of
+    from pytest_forkd.archives.archive import _machine_of
 
     monkeypatch.setattr("pytest_forkd.engine.qemu.machine.tsc_khz", lambda: 2000000)
     spec = _spec(True)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_forkd.core.replay import _op
-from pytest_forkd.core.transcript import REPLAYABLE, format_entry
+from pytest_forkd.analysis.replay import _op
+from pytest_forkd.analysis.transcript import REPLAYABLE, format_entry
 from pytest_forkd.errors import TranscriptError
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_forkd.core.trajectory import Trajectory, _ranges
-from pytest_forkd.core.transcript import Transcript
+from pytest_forkd.analysis.trajectory import Trajectory, _ranges
+from pytest_forkd.analysis.transcript import Transcript
 from pytest_forkd.errors import BisectError, ForkdError
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_forkd.core.replay import plan_replay
-from pytest_forkd.core.transcript import HEAD_BYTES, Transcript, format_entry, read_jsonl, write_jsonl
+from pytest_forkd.analysis.replay import plan_replay
+from pytest_forkd.analysis.transcript import HEAD_BYTES, Transcript, format_entry, read_jsonl, write_jsonl
 from pytest_forkd.errors import TranscriptError
 from pytest_forkd.guest.exec_result import ExecResult
 
@@ -122,7 +122,7 @@ def test_bad_transcript_files(tmp_path: Path) -> None:
 
 
 def test_written_data_is_kept_within_a_budget(monkeypatch) -> None:
-    monkeypatch.setattr("pytest_forkd.core.transcript.REPLAY_DATA_BUDGET", 10)
+    monkeypatch.setattr("pytest_forkd.analysis.transcript.REPLAY_DATA_BUDGET", 10)
     transcript = Transcript("vm")
     kept = transcript.write_file("/a", b"12345678", None)
     dropped = transcript.write_file("/b", b"12345678", None)

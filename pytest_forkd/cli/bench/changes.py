@@ -52,7 +52,7 @@ def measure_changes(factory: VMFactory, base: Any, plan: BenchPlan, progress: Ca
     a second walk, the comparison, and content hashes of the 50 same-size
     modifications in the VM and in a child of the checkpoint.
     """
-    from pytest_forkd.core.changes import record_manifest
+    from pytest_forkd.analysis.changes import record_manifest
     from pytest_forkd.core.checkpoint import Checkpoint
 
     files = TREE_DIRS * TREE_DIRS * TREE_FILES

@@ -3,7 +3,7 @@
 How it works, and why it is fast:
 
 1. When a checkpoint is taken, the guest records a manifest (see
-   :mod:`pytest_forkd.core.manifest`: one ``lstat`` per path, no content read) in
+   :mod:`pytest_forkd.analysis.manifest`: one ``lstat`` per path, no content read) in
    /run/forkd/manifests/<tag>, *before* the snapshot, so the manifest is part of
    the checkpoint's state and of every state descending from it. Finding it in
    the guest later also proves the lineage: a VM restored to something older,
@@ -33,8 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from pytest_forkd.core.handles import VMHandle
-from pytest_forkd.core.manifest import (
+from pytest_forkd.analysis.manifest import (
     DEFAULT_EXCLUDES,
     GUEST_MANIFESTS,
     Entry,
@@ -43,6 +42,7 @@ from pytest_forkd.core.manifest import (
     hash_command,
     walk_command,
 )
+from pytest_forkd.core.handles import VMHandle
 from pytest_forkd.errors import ChangesError, ForkdError
 from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.storage.snapshot import Snapshot

@@ -12,7 +12,7 @@ The walk runs in the guest as a ``python3 -c`` script (the image's standard
 library suffices; no change to the guest agent) and writes the manifest into a
 file under /run/forkd, which the host then reads in one transfer (1.4 MB for
 21,000 paths reads in ~25 ms). Content is hashed only later, and only for files
-whose metadata changed while their size did not (see :mod:`pytest_forkd.core.changes`).
+whose metadata changed while their size did not (see :mod:`pytest_forkd.analysis.changes`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ The host's pytest collects and selects as always (``-k``, ``-m``, ``-x``,
 forkd's own summary), and runs each selected test's setup, call and teardown
 in a copy-on-write child of a parent VM where the suite is already imported
 and collected and its session- and module-scoped fixtures are already set up
-(:mod:`~pytest_forkd.plugin.isolate_parent`). The reports are the guest
-pytest's own (:mod:`~pytest_forkd.plugin.isolate_reports`).
+(:mod:`~pytest_forkd.isolate.parent`). The reports are the guest
+pytest's own (:mod:`~pytest_forkd.isolate.reports`).
 
 Which tests: every test with ``--forkd-isolate`` (ini ``forkd_isolate =
 true``, env ``PYTEST_FORKD_ISOLATE=1``; command line over env over ini), else
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Final
 import pytest
 
 from pytest_forkd.errors import ForkdError
-from pytest_forkd.plugin.isolate_options import IsolatedTest, IsolateSettings, isolated_test, resolve
+from pytest_forkd.isolate.options import IsolatedTest, IsolateSettings, isolated_test, resolve
 
 if TYPE_CHECKING:
-    from pytest_forkd.plugin.isolate_parent import IsolationParent
+    from pytest_forkd.isolate.parent import IsolationParent
     from pytest_forkd.plugin.state import RunState
 
 #: Set on an isolated item: how it runs.
@@ -94,7 +94,7 @@ class IsolationHooks:
 
     # -- one test ---------------------------------------------------------------------------------
     def run(self, item: pytest.Item, test: IsolatedTest, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
-        from pytest_forkd.plugin import isolate_reports
+        from pytest_forkd.isolate import reports as isolate_reports
 
         config = item.config
         parent = self._parent(config)
@@ -126,8 +126,8 @@ class IsolationHooks:
         """The run's parent VM, started on the first isolated test; None (and ``start_error``) if it cannot be."""
         if self.parent is not None or self.start_error is not None:
             return self.parent
-        from pytest_forkd.plugin import isolate_plan
-        from pytest_forkd.plugin.isolate_parent import IsolationParent
+        from pytest_forkd.isolate import plan as isolate_plan
+        from pytest_forkd.isolate.parent import IsolationParent
         from pytest_forkd.plugin.progress import progress_printer
 
         assert self.settings is not None
@@ -197,7 +197,7 @@ class IsolationHooks:
         nextitem: pytest.Item | None,
         timeout: float,
     ) -> list[pytest.TestReport]:
-        from pytest_forkd.plugin import isolate_reports
+        from pytest_forkd.isolate import reports as isolate_reports
 
         try:
             reply = parent.teardown(item.nodeid, nextitem.nodeid if nextitem is not None else None, timeout=timeout)

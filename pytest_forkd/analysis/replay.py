@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pytest_forkd.core.transcript import REPLAYABLE, TranscriptFile, payload_bytes
+from pytest_forkd.analysis.transcript import REPLAYABLE, TranscriptFile, payload_bytes
 from pytest_forkd.errors import TranscriptError
 
 if TYPE_CHECKING:

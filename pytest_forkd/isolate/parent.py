@@ -2,7 +2,7 @@
 
 One per pytest process (so one per xdist worker). It starts on the first
 isolated test: a child of the session's snapshot (``--forkd-snapshot``,
-forkd.yaml) gets the project copied in (see :mod:`~pytest_forkd.plugin.isolate_plan`)
+forkd.yaml) gets the project copied in (see :mod:`~pytest_forkd.isolate.plan`)
 and the in-guest runner (:mod:`pytest_forkd.guest.isolate_runner`), which
 imports pytest and the suite and collects it. Then the parent is branched
 (the *bare* state, for tests that ask for a fresh set-up), and, for each test
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from pytest_forkd.errors import ForkdError, GuestCrashed, ProcessTimeout, VMError
 from pytest_forkd.guest import GUEST_DIR
-from pytest_forkd.plugin.isolate_plan import RUNNER_DIR, RUNNER_PATH, SPEC_PATH, GuestPlan
+from pytest_forkd.isolate.plan import RUNNER_DIR, RUNNER_PATH, SPEC_PATH, GuestPlan
 
 if TYPE_CHECKING:
     from pytest_forkd.core.process import GuestProcess
