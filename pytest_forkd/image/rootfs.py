@@ -17,6 +17,7 @@ import glob
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 from importlib import resources
 from pathlib import Path
@@ -96,12 +97,13 @@ def assemble_root(
     ``python_version`` ("3.11") is the interpreter the packages provide, as
     read from the release's index; None takes the newest one found.
     """
-    debs = list(debs)
+    debs, files = list(debs), list(files)
     progress(f"unpacking {len(debs)} packages")
     make_merged_usr(root)
     for deb in debs:
         unpack(deb, root)
     prune(root, PRUNED_PATHS)
+    packaged = tree_paths(root)
     for directory in SKELETON_DIRS:
         (root / directory).mkdir(parents=True, exist_ok=True)
     os.chmod(root / "tmp", 0o1777)
@@ -124,6 +126,38 @@ def assemble_root(
 
     progress("byte-compiling the guest's Python library")
     byte_compile(root, python)
+    open_builder_modes(root, keep=packaged | {"root", "tmp"} | {spec.dest.strip("/") for spec in files if spec.mode})
+
+
+def tree_paths(root: Path) -> set[str]:
+    """Every path under ``root``, relative to it."""
+    found: set[str] = set()
+    for directory, subdirectories, names in os.walk(root):
+        for name in (*subdirectories, *names):
+            found.add(os.path.relpath(os.path.join(directory, name), root))
+    return found
+
+
+def open_builder_modes(root: Path, *, keep: set[str]) -> None:
+    """Give what the builder itself created the modes a 022 umask would: read (and search) for everyone.
+
+    forkd builds its cache under umask 077 (its files are the user's alone),
+    and that umask is the whole process's: without this, the directories,
+    agent files and byte-compiled library the builder makes would reach the
+    guest as 0700/0600, and every non-root user in the guest would find
+    Python unable to import its own standard library. The packages' own
+    files (``keep``: unpacked with the modes their .deb records) and a
+    recipe file given an explicit mode are left as they are.
+    """
+    for relative in sorted(tree_paths(root) - keep):
+        path = root / relative
+        status = path.lstat()
+        if stat.S_ISLNK(status.st_mode):
+            continue
+        mode = stat.S_IMODE(status.st_mode)
+        if mode & 0o077 == 0:
+            readable = mode & 0o500
+            os.chmod(path, mode | readable >> 3 | readable >> 6)
 
 
 def prune(directory: Path, patterns: Iterable[str]) -> None:

@@ -55,8 +55,10 @@ def test_check_raises_exec_error_with_the_result(vm: VM) -> None:
     assert "exited with code 7" in str(caught.value) and "diagnosis" in str(caught.value)
 
 
-def test_python_runs_in_the_guest(vm: VM) -> None:
+def test_python_runs_in_the_guest_for_root_and_other_users(vm: VM) -> None:
     assert vm.exec(["python3", "-c", "print(6*7)"], check=True).stdout == "42\n"
+    # the image's library and the agent's files are readable by everyone, whatever umask built them
+    assert vm.exec(["python3", "-c", "import json; print(json.dumps(7))"], user="65534", check=True).stdout == "7\n"
 
 
 def test_binary_files_round_trip_and_reach_the_guest_intact(vm: VM) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from pytest_forkd.errors import ImageError
+from pytest_forkd.image import rootfs
 from pytest_forkd.image.kernel import KernelParts
 from pytest_forkd.image.recipe import FileSpec
 from pytest_forkd.image.rootfs import (
@@ -164,3 +166,36 @@ def test_python3_link_follows_the_release_version(tmp_path: Path) -> None:
     assert link_python3(tmp_path).name == "python3.13"  # no version given: the newest
     with pytest.raises(ImageError, match="no Python interpreter .usr/bin/python3.12.; .*python3-minimal"):
         link_python3(tmp_path, "3.12")
+
+
+def test_what_the_builder_creates_is_readable_by_every_guest_user(tmp_path: Path) -> None:
+    """Under forkd's umask 077 the builder's own files would reach the guest 0600: non-root Python could not start."""
+    root = tmp_path / "root"
+    (root / "usr/lib/python3.11").mkdir(parents=True)
+    packaged_secret = root / "etc/ssl/private"
+    packaged_secret.mkdir(parents=True)
+    os.chmod(packaged_secret, 0o700)
+    os.chmod(root / "etc/ssl", 0o755)
+    os.chmod(root / "etc", 0o755)
+    packaged = rootfs.tree_paths(root)
+    old = os.umask(0o077)
+    try:
+        (root / "usr/lib/python3.11/__pycache__").mkdir()
+        (root / "usr/lib/python3.11/os.pyc").write_bytes(b"compiled")
+        (root / "opt/forkd/agent").mkdir(parents=True)
+        (root / "opt/forkd/agent/server.py").write_text("pass\n")
+        (root / "init").write_text("#!/bin/sh\n")
+        os.chmod(root / "init", 0o700)
+        (root / "root").mkdir()
+        (root / "etc/secret").write_text("kept private\n")
+    finally:
+        os.umask(old)
+    rootfs.open_builder_modes(root, keep=packaged | {"root", "etc/secret"})
+    mode = lambda relative: stat.S_IMODE((root / relative).lstat().st_mode)  # noqa: E731
+    assert mode("usr/lib/python3.11/os.pyc") == 0o644
+    assert mode("usr/lib/python3.11/__pycache__") == 0o755
+    assert mode("opt") == mode("opt/forkd") == mode("opt/forkd/agent") == 0o755
+    assert mode("opt/forkd/agent/server.py") == 0o644
+    assert mode("init") == 0o755
+    assert mode("root") == 0o700 and mode("etc/secret") == 0o600  # chosen modes stay
+    assert mode("etc/ssl/private") == 0o700  # a package's own mode stays
