@@ -51,7 +51,7 @@ from .recipe import Recipe, load_default_recipe, load_recipe
 from .rootfs import assemble_root, guest_files
 
 # Bump when the builder changes what it puts into an image, to invalidate cached images.
-BUILDER_VERSION = 8
+BUILDER_VERSION = 9
 DEFAULT_NAME = "default"
 # Restored children never boot: the head of the kernel and an empty archive
 # are enough for QEMU to start and cost far less memory per child (DESIGN.md 3).

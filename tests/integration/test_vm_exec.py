@@ -55,6 +55,12 @@ def test_check_raises_exec_error_with_the_result(vm: VM) -> None:
     assert "exited with code 7" in str(caught.value) and "diagnosis" in str(caught.value)
 
 
+def test_bash_is_the_static_build(vm: VM) -> None:
+    result = vm.exec(["bash", "-l", "-c", 'echo "$BASH_VERSION"; readlink /usr/bin/bash'], check=True)
+    version, target = result.stdout.split()
+    assert version.startswith("5.") and target == "bash-static"
+
+
 def test_python_runs_in_the_guest_for_root_and_other_users(vm: VM) -> None:
     assert vm.exec(["python3", "-c", "print(6*7)"], check=True).stdout == "42\n"
     # the image's library and the agent's files are readable by everyone, whatever umask built them

@@ -199,3 +199,19 @@ def test_what_the_builder_creates_is_readable_by_every_guest_user(tmp_path: Path
     assert mode("init") == 0o755
     assert mode("root") == 0o700 and mode("etc/secret") == 0o600  # chosen modes stay
     assert mode("etc/ssl/private") == 0o700  # a package's own mode stays
+
+
+def test_bash_is_the_static_build_when_the_image_has_it(tmp_path: Path) -> None:
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/bash").write_bytes(b"dynamic")
+    (tmp_path / "usr/bin/bash-static").write_bytes(b"static")
+    rootfs.use_static_bash(tmp_path)
+    assert os.readlink(tmp_path / "usr/bin/bash") == "bash-static"
+    assert (tmp_path / "usr/bin/bash").read_bytes() == b"static"
+
+
+def test_bash_stays_when_there_is_no_static_build(tmp_path: Path) -> None:
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/bash").write_bytes(b"dynamic")
+    rootfs.use_static_bash(tmp_path)
+    assert (tmp_path / "usr/bin/bash").read_bytes() == b"dynamic" and not (tmp_path / "usr/bin/bash").is_symlink()
