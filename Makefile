@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 TESTS ?= tests
 TEST_WORKERS ?= 2
 
-.PHONY: setup example example-port test lint bench clean-cache docs
+.PHONY: setup example example-port test test-fast lint bench clean-cache docs
 
 setup:
 	@scripts/setup.sh
@@ -22,6 +22,12 @@ example-port: setup
 test: setup
 	@scripts/setup.sh --test-tools
 	$(VENV)/bin/pytest $(TESTS) -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The fast layer, for the edit-test loop: no QEMU, no container tooling, one process, under 30 s
+# (docs/contributing.md). Needs only the virtualenv.
+test-fast:
+	@test -x $(VENV)/bin/pytest || scripts/setup.sh
+	$(VENV)/bin/pytest -m "not vm" tests $(PYTEST_ARGS)
 
 # Lint, format check and strict type check, each reported; fails if any of them fails.
 lint: setup

@@ -73,12 +73,9 @@ if [ "$TEST_TOOLS" = 1 ]; then
   exit 0
 fi
 
+# What `make example` and a first test need; README.md's install line names the same packages.
 need_pkgs=()
 command -v qemu-system-x86_64 >/dev/null || need_pkgs+=(qemu-system-x86)
-# Container images (docker://, oci:... references) are pulled with skopeo.
-command -v skopeo >/dev/null || need_pkgs+=(skopeo)
-# Their layers become a read-only ext4 disk, written with mke2fs and debugfs (no root needed).
-{ command -v mke2fs && command -v debugfs; } >/dev/null 2>&1 || [ -x /sbin/mke2fs ] || need_pkgs+=(e2fsprogs)
 command -v git >/dev/null || need_pkgs+=(git)
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || need_pkgs+=(python3-venv)
 # The guest image builder reads a pinned Debian release from a mirror itself
@@ -87,6 +84,20 @@ command -v git >/dev/null || need_pkgs+=(git)
 command -v gpgv >/dev/null || command -v sqv >/dev/null || need_pkgs+=(gpgv)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || [ -n "${FORKD_DEBIAN_KEYRING:-}" ] \
   || need_pkgs+=(debian-archive-keyring)
+# Container images (docker://, oci:... references) alone need skopeo, which pulls them, and e2fsprogs, whose
+# mke2fs and debugfs write their read-only disk (no root needed then). Installed along when that needs no
+# password (root, or sudo without one); otherwise named once, and everything else goes on without them.
+image_pkgs=()
+command -v skopeo >/dev/null || image_pkgs+=(skopeo)
+{ command -v mke2fs && command -v debugfs; } >/dev/null 2>&1 || [ -x /sbin/mke2fs ] || image_pkgs+=(e2fsprogs)
+if [ ${#image_pkgs[@]} -gt 0 ]; then
+  if [ "$IS_ROOT" = 1 ] || { command -v sudo >/dev/null && sudo -n true 2>/dev/null; }; then
+    need_pkgs+=("${image_pkgs[@]}")
+  else
+    echo "setup: container images (docker://, oci:...) need ${image_pkgs[*]}, which only root can install" \
+      "(sudo apt-get install ${image_pkgs[*]}); the default image, make example and make test do without" >&2
+  fi
+fi
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   echo "setup: apt-get update" >&2
   as_root apt-get update -qq
@@ -105,7 +116,7 @@ stamp="$VENV/.forkd-installed"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing pytest-forkd into $VENV" >&2
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,inspect,openai-agents,mini-swe-agent]'
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,inspect,openai-agents,mini-swe-agent,e2b]'
   echo "$want" > "$stamp"
 fi
 

@@ -6,17 +6,25 @@
 ``slow``
     No QEMU, but seconds each: whole pytest sessions run in subprocesses
     (every test using ``pytester`` is marked so) and statistics at scale.
+``oci_tools``
+    Starts real container tooling: the ``docker-registry`` server, skopeo,
+    podman, buildah or umoci. Every test that uses a registry fixture
+    (tests/registry.py, tests/integrations/project_images.py) and every test
+    under tests/oci/ is marked so here; a test that calls such a tool itself
+    says so with the marker. Those that also boot a VM carry ``vm`` too.
 ``alone``
     Compares the timings of two runs it makes, so a change of load between
     them is a real regression to the gate: under pytest-xdist it runs while
     no other worker runs a test (``run_alone`` below).
 
-``pytest -m "not vm"`` is the fast layer: no QEMU, the fake engine where a VM
-is needed (tests/contract), and no ``slow`` test unless the expression names
-``slow`` itself (``-m "not vm and slow"``) or ``FORKD_TESTS_SLOW=1`` is set.
-Without ``-m`` every test runs. The fast layer does not even import the test
-modules it would deselect whole (``fast_layer_skips``): importing them is most
-of what they would cost it.
+``pytest -m "not vm"`` is the fast layer: no QEMU, no real container
+tooling, the fake engine where a VM is needed (tests/contract), and no
+``slow`` test, in under 30 s on one core. ``slow`` and ``oci_tools`` tests
+come back when the expression names the marker (``-m "not vm and slow"``,
+``-m oci_tools``) or ``FORKD_TESTS_SLOW=1`` is set. Without ``-m`` every test
+runs. The fast layer does not even import the test modules it would deselect
+whole (``fast_layer_skips``): importing them is most of what they would cost
+it.
 """
 
 from __future__ import annotations
@@ -41,19 +49,54 @@ def qemu_problem() -> str | None:
     return make_engine("qemu").unavailable_reason()
 
 
+TESTS = Path(__file__).parent
+#: The markers the fast layer leaves out besides ``vm``, unless its expression names them.
+HEAVY = ("slow", "oci_tools")
+#: The fixtures that start a real registry and push images to it with skopeo (tests/registry.py,
+#: tests/integrations/project_images.py).
+REGISTRY_FIXTURES = frozenset(
+    {
+        "registry",
+        "private_registry",
+        "auth_registry",
+        "busybox_image",
+        "busybox_user_image",
+        "debian_image",
+        "project_image",
+        "agent_image",
+    }
+)
+#: Folders whose every test is marked: tests/integration/ ``vm`` (its conftest.py does it), tests/oci/
+#: ``oci_tools`` (pulls with skopeo from a real registry, builds with podman or buildah).
+FOLDER_MARKS = {TESTS / "integration": "vm", TESTS / "oci": "oci_tools"}
+
+
+def _uses_registry(item: pytest.Item) -> bool:
+    """Whether the test uses a registry fixture, directly or through another fixture (not a parameter so named)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return bool(REGISTRY_FIXTURES.intersection(getattr(item, "fixturenames", ())) - set(params))
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     if "pytester" in getattr(item, "fixturenames", ()):
         item.add_marker(pytest.mark.slow)
+    path = Path(item.path)
+    for folder, mark in FOLDER_MARKS.items():
+        if folder in path.parents and item.get_closest_marker(mark) is None:
+            item.add_marker(mark)
+    if item.get_closest_marker("oci_tools") is None and _uses_registry(item):
+        item.add_marker(pytest.mark.oci_tools)
 
 
-def _fast_layer(config: pytest.Config) -> bool:
+def _left_out(config: pytest.Config) -> tuple[str, ...]:
+    """The markers whose tests this run leaves out: the fast layer's, less those its expression names."""
     expression = config.option.markexpr or ""
-    return "not vm" in expression and "slow" not in expression and not os.environ.get("FORKD_TESTS_SLOW")
+    if "not vm" not in expression or os.environ.get("FORKD_TESTS_SLOW"):
+        return ()
+    return tuple(mark for mark in HEAVY if not re.search(rf"\b{mark}\b", expression))
 
 
-#: Every test under tests/integration/ is marked vm (its conftest.py does it).
-ALL_VM = Path(__file__).parent / "integration"
-_MODULE_MARK = re.compile(r"^pytestmark\s*=.*?\bpytest\.mark\.(vm|slow)\b", re.MULTILINE | re.DOTALL)
+_MODULE_MARK = re.compile(r"^pytestmark\s*=.*?\bpytest\.mark\.(vm|slow|oci_tools)\b", re.MULTILINE | re.DOTALL)
 
 
 def _marks_whole_module(value: ast.expr) -> set[str]:
@@ -70,13 +113,14 @@ def _marks_whole_module(value: ast.expr) -> set[str]:
     }
 
 
-def fast_layer_skips(path: Path) -> bool:
-    """Whether every test of the module at ``path`` is marked ``vm`` or ``slow``, as its source shows.
+def fast_layer_skips(path: Path, left_out: tuple[str, ...] = HEAVY) -> bool:
+    """Whether every test of the module at ``path`` is marked ``vm`` or one of ``left_out``, as its source shows.
 
     The text is searched first and parsed only when it may say so (a string in
     the module can hold such a line too): most modules cost no parse.
     """
-    if path.parent == ALL_VM:
+    skipped = {"vm", *left_out}
+    if FOLDER_MARKS.get(path.parent) in skipped:
         return True
     text = path.read_text()
     if not _MODULE_MARK.search(text):
@@ -85,18 +129,15 @@ def fast_layer_skips(path: Path) -> bool:
         if isinstance(node, ast.Assign) and any(
             isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets
         ):
-            return bool(_marks_whole_module(node.value) & {"vm", "slow"})
+            return bool(_marks_whole_module(node.value) & skipped)
     return False
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if (
-        collection_path.suffix == ".py"
-        and collection_path.name.startswith("test_")
-        and _fast_layer(config)
-        and fast_layer_skips(collection_path)
-    ):
-        return True
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        left_out = _left_out(config)
+        if left_out and fast_layer_skips(collection_path, left_out):
+            return True
     return None
 
 
@@ -124,11 +165,13 @@ def pytest_collection(session: pytest.Session) -> Iterator[object]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _fast_layer(config):
-        slow = [item for item in items if item.get_closest_marker("slow") is not None]
-        if slow:
-            config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    left_out = _left_out(config)
+    if left_out:
+        heavy = [item for item in items if any(item.get_closest_marker(mark) for mark in left_out)]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            kept = set(map(id, items)) - set(map(id, heavy))
+            items[:] = [item for item in items if id(item) in kept]
     for item in items:
         if item.get_closest_marker("vm") is not None and qemu_problem():
             item.add_marker(pytest.mark.skip(reason=f"needs QEMU: {qemu_problem()}"))

@@ -347,14 +347,21 @@ BUSYBOX_FACTS: dict[str, Any] = {
     "env": ("FORKD_IMAGE=busybox-only", "GREETING=hello from the image"),
     "working_dir": "/srv/work",
     "user": ("app", 1000, 1000),  # name, uid, gid in /etc/passwd
-    "absent": ("/etc/removed-by-whiteout", "/opt/replaced/old.txt", "/usr/bin/python3", "/lib/x86_64-linux-gnu"),
+    "absent": (
+        "/etc/removed-by-whiteout",
+        "/opt/replaced/old.txt",
+        "/usr/bin/python3",
+        "/lib/x86_64-linux-gnu",
+        "/usr/lib/removed-through-lib",  # a whiteout of layer 3 through the symlink lib -> usr/lib
+    ),
     "files": {
         "/opt/replaced/new.txt": "from layer 2\n",
         "/etc/motd": "layer 3 replaced this\n",
         "/opt/data/original": "shared by a hard link\n",
+        "/usr/lib/hello.txt": "written as lib/hello.txt\n",  # by layer 3, through lib -> usr/lib (merged /usr)
     },
     "hardlinks": ("/opt/data/original", "/opt/data/hardlink"),
-    "symlinks": {"/opt/data/symlink": "original", "/bin/sh": "busybox"},
+    "symlinks": {"/opt/data/symlink": "original", "/bin/sh": "busybox", "/lib": "usr/lib"},
     "setuid": "/usr/local/bin/suid-tool",  # mode 04755
     "owned": ("/srv/owned", 1234, 5678),  # path, uid, gid
     "home": ("/home/app", 1000, 1000),
@@ -446,8 +453,20 @@ def busybox_layers() -> list[tuple[LayerTar, Compression]]:
     """Three layers of a busybox-only image (gzip, zstd, uncompressed): see :data:`BUSYBOX_FACTS`."""
     binary = busybox_binary()
     base = LayerTar()
-    for directory in ("bin", "sbin", "usr", "usr/bin", "usr/sbin", "usr/local", "usr/local/bin", "etc", "root"):
+    for directory in (
+        "bin",
+        "sbin",
+        "usr",
+        "usr/bin",
+        "usr/sbin",
+        "usr/lib",
+        "usr/local",
+        "usr/local/bin",
+        "etc",
+        "root",
+    ):
         base.dir(directory, mode=0o700 if directory == "root" else 0o755)
+    base.symlink("lib", "usr/lib").file("usr/lib/removed-through-lib", "layer 3 deletes this through lib\n")
     base.dir("tmp", mode=0o1777).dir("home").dir("home/app", mode=0o750, uid=1000, gid=1000)
     base.dir("srv").dir("srv/work").dir("opt").dir("opt/replaced")
     base.file("bin/busybox", binary, mode=0o755)
@@ -473,6 +492,8 @@ def busybox_layers() -> list[tuple[LayerTar, Compression]]:
     second.file("srv/owned", "owned by 1234:5678\n", mode=0o640, uid=1234, gid=5678)
 
     third = LayerTar().file("etc/motd", "layer 3 replaced this\n")
+    # As BuildKit's COPY --link writes onto a merged-/usr base: entries under a parent that is an in-root symlink.
+    third.file("lib/hello.txt", "written as lib/hello.txt\n").whiteout("lib/removed-through-lib")
     return [(base, "gzip"), (second, "zstd"), (third, "none")]
 
 

@@ -29,9 +29,11 @@ every later operation raises :class:`~pytest_forkd.errors.VMError` saying why.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import os
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterable, Awaitable, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..errors import ForkdError, VMError
@@ -275,11 +277,31 @@ class AsyncVM(_AsyncContext):
         )
         return await self._cancellable(what, "exec", call)
 
-    async def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> None:
-        """``VM.write_file``, awaited. Cancelled while the data is on its way, the file keeps its old contents."""
+    async def write_file(
+        self, path: str, data: bytes | str, *, mode: int | None = None, user: str | None = None
+    ) -> None:
+        """``VM.write_file``, awaited. Cancelled while the data is on its way, the file keeps its old contents
+        (written as a ``user``, in place, it keeps what arrived)."""
         await self._cancellable(
-            f"writing {path}", "write-file", functools.partial(self._vm.write_file, path, data, mode=mode)
+            f"writing {path}", "write-file", functools.partial(self._vm.write_file, path, data, mode=mode, user=user)
         )
+
+    async def write_stream(
+        self, path: str, chunks: Iterable[bytes] | AsyncIterable[bytes], *, mode: int | None = None
+    ) -> int:
+        """``VM.write_stream``, awaited; ``chunks`` may be an async iterable, read in this loop as the guest takes it.
+
+        Cancelled, the upload is dropped in the guest and the file keeps its old contents.
+        """
+        stop = threading.Event()
+        if isinstance(chunks, AsyncIterable):
+            chunks = _pulled_from_loop(chunks, asyncio.get_running_loop(), stop, f"writing {path}")
+        try:
+            return await self._cancellable(
+                f"writing {path}", "write-stream", functools.partial(self._vm.write_stream, path, chunks, mode=mode)
+            )
+        finally:
+            stop.set()
 
     async def spawn(
         self,
@@ -738,3 +760,34 @@ def _close_all(vms: list[VM]) -> None:
 
 def _close(vm: VM) -> None:
     vm.close()
+
+
+_END_OF_CHUNKS = object()
+
+
+def _pulled_from_loop(
+    chunks: AsyncIterable[bytes], loop: asyncio.AbstractEventLoop, stop: threading.Event, what: str
+) -> Iterator[bytes]:
+    """The chunks of an async iterable, for a worker thread: each is awaited in ``loop`` when the thread asks."""
+    iterator = aiter(chunks)
+
+    async def next_chunk() -> object:
+        try:
+            return await anext(iterator)
+        except StopAsyncIteration:
+            return _END_OF_CHUNKS
+
+    while True:
+        future = asyncio.run_coroutine_threadsafe(next_chunk(), loop)
+        while True:
+            if stop.is_set():
+                future.cancel()
+                raise VMError(f"{what} was cancelled")
+            try:
+                item = future.result(timeout=0.5)
+                break
+            except concurrent.futures.TimeoutError:
+                continue
+        if item is _END_OF_CHUNKS:
+            return
+        yield item  # type: ignore[misc]

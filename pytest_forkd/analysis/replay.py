@@ -45,7 +45,9 @@ class ReplayOp:
     def __call__(self, vm: VM) -> Any:
         entry = self.entry
         if entry["kind"] == "write_file":
-            return vm.write_file(entry["path"], payload_bytes(entry["data"]) or b"", mode=entry.get("mode"))
+            return vm.write_file(
+                entry["path"], payload_bytes(entry["data"]) or b"", mode=entry.get("mode"), user=entry.get("user")
+            )
         if entry["kind"] == "copy_in":  # from the host path as it is now, which may have changed since
             return vm.copy_in(entry["local"], entry["path"], exclude=entry.get("exclude") or ())
         command = entry["command"]

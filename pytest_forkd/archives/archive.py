@@ -50,7 +50,7 @@ from typing import IO, Any, Final
 
 from filelock import FileLock
 
-from pytest_forkd import paths, private
+from pytest_forkd import paths, private, zstdio
 from pytest_forkd.engine import memory, space
 from pytest_forkd.engine.cpu import host_cpu, host_cpu_id
 from pytest_forkd.engine.host import find_qemu, has_network_card, machine_record, machine_record_of_hash, tsc_khz
@@ -58,7 +58,7 @@ from pytest_forkd.engine.network import network_from_record
 from pytest_forkd.errors import ArchiveError, DamagedSnapshot, ForkdError, IncompatibleSnapshot, SnapshotError
 from pytest_forkd.image.catalog import MANIFEST_FILE as IMAGE_MANIFEST
 from pytest_forkd.image.catalog import image_directory, is_published, key_of, point_name, read_manifest
-from pytest_forkd.storage import integrity, namespaces, zstdio
+from pytest_forkd.storage import integrity, namespaces
 from pytest_forkd.storage.backend import MEMORY_FILE
 from pytest_forkd.storage.local_copy import write_flat_memory
 from pytest_forkd.storage.snapshot import SNAPSHOT_FILE, Snapshot
@@ -180,7 +180,7 @@ def export_snapshot(
         partial = destination.with_name(f".{destination.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
         try:
             with (
-                zstdio.compressing(partial) as raw,
+                zstdio.compressing(partial, error=ArchiveError) as raw,
                 tarfile.open(fileobj=raw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
             ):
                 _add_bytes(tar, MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
@@ -327,7 +327,7 @@ def _import(
     known: dict[str, Any] | None,
 ) -> tuple[Snapshot, dict[str, Any]] | None:
     """One pass over the archive; None when the manifest is not its first file and ``known`` is None."""
-    with zstdio.decompressing(path) as raw:
+    with zstdio.decompressing(path, error=ArchiveError) as raw:
         try:
             tar = tarfile.open(fileobj=raw, mode="r|")
             members = _files(tar)
@@ -577,7 +577,7 @@ def read_archive_manifest(path: Path | str) -> dict[str, Any]:
     if not path.is_file():
         raise ArchiveError(f"no snapshot archive at {path}")
     manifest = None
-    with zstdio.decompressing(path) as raw:
+    with zstdio.decompressing(path, error=ArchiveError) as raw:
         try:
             tar = tarfile.open(fileobj=raw, mode="r|")
             for member in _files(tar):  # read to the end, so damage anywhere shows

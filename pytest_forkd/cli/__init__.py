@@ -28,7 +28,7 @@ from typing import Any, NoReturn, Sequence
 from pytest_forkd.errors import ConfigError, ForkdError
 from pytest_forkd.version import __version__
 
-COMMAND_MODULES = ("image", "exec", "shell", "cp", "doctor", "snapshots", "bench", "compare", "merge", "bisect")
+COMMAND_MODULES = ("image", "exec", "shell", "cp", "doctor", "snapshots", "bench", "compare", "merge", "bisect", "e2b")
 
 #: The action a command with actions (``forkd snapshots``, ``forkd image``) runs when none is named.
 DEFAULT_ACTION = "ls"

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pytest_forkd import zstdio
 from pytest_forkd.archives.archive import SUFFIX, export_snapshot, import_archive
 from pytest_forkd.cli.bench import figure
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.project.config import EMPTY_PROJECT
 from pytest_forkd.project.snapshot_builder import SnapshotBuilder
-from pytest_forkd.storage import zstdio
 from pytest_forkd.storage.store import SnapshotStore
 
 _MIB = float(1 << 20)

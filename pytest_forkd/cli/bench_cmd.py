@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "uffd_pause_ms and uffd_growth_ratio, diff_pause_* over successive branches, "
         "child_pss_mib and parent_pss_mib, guest_python_slowdown, cpu_per_child_ms (QEMU CPU per phase "
         "of 12 serial fork(1)), tcg_translation and first_command_tax, image_* (children of container "
-        "images) (select with --parts). "
+        "images), e2b_* (E2B's SDK against forkd's own calls) (select with --parts). "
         "Each figure is {n, min, p50, p95, max}.",
     )
     p.add_argument(
@@ -104,7 +104,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "branch pause at the smallest and largest --memory), diff (pause over --diff-branches "
         "successive branches), memory (PSS of idle children and a parent), speed (guest Python "
         "loop vs host), cpu (QEMU CPU per child by phase, TCG translation, first-command tax), images "
-        "(children of a tiny and a large container image, a busybox image's child against the default's)",
+        "(children of a tiny and a large container image, a busybox image's child against the default's), e2b "
+        "(E2B's Python SDK through the E2B server against forkd's own fork and exec; needs the e2b extra)",
     )
     p.add_argument(
         "--image-mib",

@@ -1,14 +1,16 @@
 """``forkd doctor``: is this host ready? One line per check, and the fix for each failure.
 
-What the first run does by itself (build the default image, then probe KVM
-with it) is not a failure: doctor says it will happen and what it costs, and
-``forkd doctor --build`` does it now.
+What the first run does by itself (build the default image, probe KVM with
+it, boot it once to store snapshot ``base``) is not a failure: doctor says it
+will happen and what it costs, and ``forkd doctor --build`` does it now.
+Running under TCG (no usable KVM) is a ``[warn]``: everything works, slower.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -27,6 +29,13 @@ FIRST_BUILD_COST = "about 50 MB of Debian downloads and 10 s of work, 230 MiB in
 DO_IT_NOW = "forkd doctor --build"
 #: The RAM of a parent VM at the default size: what its shared RAM file may grow to.
 PARENT_MEMORY_MIB = 256
+#: What doctor says about running under TCG, QEMU's emulator: nothing is wrong, VMs are slower.
+TCG_FIX = (
+    "none needed: VMs work under TCG, several times slower; KVM needs a host with hardware virtualization "
+    "(or nested virtualization) and /dev/kvm for this user (see the kvm line)"
+)
+#: The snapshot every run starts from unless told otherwise, which the first run stores.
+BASE = "base"
 
 
 @dataclass
@@ -60,8 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--build",
         action="store_true",
-        help="build the default image now when it is missing, and probe the accelerator with it, "
-        "instead of leaving both to the first run",
+        help="build the default image now when it is missing, probe the accelerator with it and store "
+        "snapshot base, instead of leaving all three to the first run",
     )
     p.add_argument("--accel", choices=ACCELS, default="auto", help="accelerator to resolve (default: %(default)s)")
     p.add_argument(
@@ -151,7 +160,49 @@ def _check_accel(requested: str, image: object) -> Check:
     finally:
         factory.close()
     cached = " (cached verdict)" if verdict.cached else ""
-    return Check("accel", True, f"{verdict.accel}: {verdict.reason}{cached}", value=verdict.accel)
+    detail = f"{verdict.accel}: {verdict.reason}{cached}"
+    if verdict.accel == "tcg":  # everything works, emulated: slower, which is what a [warn] line says
+        return Check("accel", False, detail, TCG_FIX, required=False, value=verdict.accel)
+    return Check("accel", True, detail, value=verdict.accel)
+
+
+def _check_base(build: bool) -> Check:
+    """Snapshot ``base`` in the store runs use; ``build``: boot the default image and store it now.
+
+    The store is the one a pytest run in this directory uses (``./forkd.yaml``'s
+    settings, ``PYTEST_FORKD_*``, else ``$FORKD_STORE`` or the user cache), so
+    ``forkd snapshots ls`` and the first run find what ``--build`` stored.
+    """
+    from pathlib import Path
+
+    from pytest_forkd.private import private_umask
+    from pytest_forkd.project.config import PROJECT_FILE
+    from pytest_forkd.project.session import ForkdSession
+
+    config = Path(PROJECT_FILE) if Path(PROJECT_FILE).is_file() else None
+    try:
+        with ForkdSession.open(config=config, progress=_progress) as session:
+            store = session.shared_store
+            if store.exists(BASE):
+                return Check("snapshot", True, f"{BASE} stored in {store.root}")
+            if not build:
+                return Check(
+                    "snapshot",
+                    False,
+                    f"{BASE} not stored yet: the first run boots the default image once and stores it in {store.root}",
+                    DO_IT_NOW,
+                    first_run=True,
+                )
+            with private_umask():
+                snapshot = session.snapshot_for(BASE)
+            return Check("snapshot", True, f"{BASE} stored now in {snapshot.path.parent} (forkd snapshots ls lists it)")
+    except ForkdError as exc:
+        return Check("snapshot", False, str(exc).splitlines()[0], "see the message, then retry")
+
+
+def _progress(line: str) -> None:
+    """Progress of what --build does, on stderr: stdout is the checks (or their JSON)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _check_problem(name: str, probe: Callable[[], str | None], ok_text: str, required: bool) -> Check:
@@ -327,6 +378,8 @@ def collect(accel: str, *, build: bool = False) -> list[Check]:
             )
         else:
             checks.append(_check_accel(accel, image))
+            if image is not None and checks[-1].value:  # the default image boots here: base can be stored
+                checks.append(_check_base(build))
     checks.append(_check_kvm())
     checks.append(_check_userfaultfd())
     checks.append(
@@ -337,18 +390,37 @@ def collect(accel: str, *, build: bool = False) -> list[Check]:
     checks.append(_check_cores())
     checks.append(_check_runtime_dir())
     checks.extend(_backend_checks())
-    checks.append(_check_builders())
+    checks.extend(_check_builders())
     return checks
 
 
-def _check_builders() -> Check:
-    """Which Dockerfile builders ``dockerfile:`` references would use (none is needed otherwise)."""
-    from pytest_forkd.image.oci.builders import available_builders
+def _check_builders() -> list[Check]:
+    """The Dockerfile builders ``dockerfile:`` references would use (none is needed otherwise), each tried.
+
+    Each one found builds a one-line ``RUN`` image ``FROM scratch`` (the
+    builders in parallel, a second or two each): a builder whose RUN steps
+    fail (crun on this host's cgroups, no subuids) is a ``[warn]`` with the fix.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pytest_forkd.image.oci.builder_config import builder_fix
+    from pytest_forkd.image.oci.builders import available_builders, probe_builder
 
     found = available_builders()
-    detail = ", ".join(found) + " (the first builds dockerfile: images)" if found else "none found"
-    fix = "" if found else "only dockerfile: images need one: apt-get install podman (or buildah, or docker)"
-    return Check("builders", bool(found), detail, fix, required=False)
+    if not found:
+        fix = "only dockerfile: images need one: apt-get install podman (or buildah, or docker)"
+        return [Check("builders", False, "none found", fix, required=False)]
+    with ThreadPoolExecutor(max_workers=len(found)) as pool:
+        problems = list(pool.map(probe_builder, found))
+    checks = []
+    for index, (name, problem) in enumerate(zip(found, problems)):
+        role = "builds dockerfile: images" if index == 0 else "found (the first one found builds)"
+        if problem is None:
+            checks.append(Check(f"builder {name}", True, f"{role}; a RUN step works", required=False))
+        else:
+            detail = f"{role}, but a one-line RUN build fails: {problem}"
+            checks.append(Check(f"builder {name}", False, detail, builder_fix(name, problem), required=False))
+    return checks
 
 
 def as_json(checks: list[Check]) -> dict[str, object]:
@@ -358,7 +430,7 @@ def as_json(checks: list[Check]) -> dict[str, object]:
     does (``first_run``: the default image, the accelerator probe) is not ok
     yet and no failure either, so ``accel`` is null until it is done.
     """
-    accel = next((check.value for check in checks if check.name == "accel" and check.ok), None)
+    accel = next((check.value for check in checks if check.name == "accel" and check.value), None)
     return {
         "ready": not _failed(checks),
         "accel": accel,
@@ -375,6 +447,14 @@ def as_json(checks: list[Check]) -> dict[str, object]:
             for c in checks
         ],
     }
+
+
+def _first_run_work(checks: list[Check]) -> str:
+    """What the first run does by itself, as doctor's last line says it."""
+    names = {check.name for check in checks if check.first_run}
+    if "image" in names:
+        return "builds the default image"
+    return f"stores snapshot {BASE}" if "snapshot" in names else "probes the accelerator"
 
 
 def _failed(checks: list[Check]) -> list[Check]:
@@ -396,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"not ready: {len(failed)} required check(s) failed")
     elif any(check.first_run for check in checks):
-        print(f"ready: nothing is wrong; the first run builds the default image ({DO_IT_NOW} does it now)")
+        print(f"ready: nothing is wrong; the first run {_first_run_work(checks)} ({DO_IT_NOW} does it now)")
     else:
         print("ready")
     return 1 if failed else 0

@@ -31,8 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--image",
         default="default",
         metavar="NAME|REF",
-        help="guest image name, or a container image: docker://REF, oci:DIR[:TAG], oci-archive:FILE[:TAG], "
-        "docker-archive:FILE, dockerfile:PATH (default: %(default)s)",
+        help="guest image name, or a container image as --forkd-image takes it: REGISTRY/NAME[:TAG] or "
+        "NAME:TAG (docker://), docker://REF, oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE, "
+        "dockerfile:PATH (default: %(default)s)",
     )
     p.add_argument(
         "--pull",
@@ -104,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
             vm = factory.fork_snapshot(find_snapshot(store, args.snapshot), 1, network=cli_network(args.network))[0]
         else:
             validate.user(args.user)
-            image: object = validate.image_name(args.image)
-            if is_reference(args.image):
+            image: object = validate.image_name(args.image)  # a bare reference comes back as docker://...
+            if is_reference(str(image)):
                 image = ensure_container_image(
-                    args.image, policy=args.pull, progress=lambda line: print(f"forkd: {line}", file=sys.stderr)
+                    str(image), policy=args.pull, progress=lambda line: print(f"forkd: {line}", file=sys.stderr)
                 )
             vm = factory.boot(image, memory_mib=args.memory, vcpus=args.vcpus, network=cli_network(args.network))
         ready_ms = (time.perf_counter() - started) * 1000

@@ -246,3 +246,5 @@ def _prune_container_store(dry_run: bool, removed_images: set[str]) -> None:
         f"{result.blobs} unused layer blob(s), {result.disks} unused disk(s), {_mib(result.freed)}"
         + (" (dry run)" if dry_run else " freed")
     )
+    for builder, image in result.builder_images:  # forkd's build tags and the bases its builds pulled
+        print(f"{verb} {image} from {builder}'s storage")

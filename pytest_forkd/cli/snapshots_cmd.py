@@ -78,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Write snapshot NAME, its guest image and a manifest (QEMU version, machine, CPU model, "
         "accelerator, memory size, recipe hash, file checksums) into one archive that "
         "`forkd snapshots import` restores on another host or into a fresh cache. Uses the zstd "
-        "tool, or the zstandard module when the tool is missing.",
+        "tool, or zstd's Python module (the [archive] extra) when the tool is missing.",
     )
     export.add_argument("tag", metavar="NAME")
     export.add_argument(

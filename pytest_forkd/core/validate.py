@@ -171,17 +171,19 @@ _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}(:[A-Za-z0-9_][A-Za-z0-9._-
 
 
 def image_name(value: Any) -> str:
-    """Check what names an image: a guest image name, or a container reference with its transport.
+    """Check what names an image; return the image name, or the container reference's canonical text.
 
-    ``docker://…``, ``oci:…``, ``oci-archive:…``, ``docker-archive:…`` and
-    ``dockerfile:…`` are parsed (a malformed one fails here, before anything
-    starts); anything else must be a valid image name.
+    A container reference is read as ``--forkd-image`` and Docker read it: a
+    transport (``docker://``, ``oci:``, ``oci-archive:``, ``docker-archive:``,
+    ``dockerfile:``), or a bare reference (anything with ``/ : . @``, such as
+    ``127.0.0.1:5000/app:1``), which means ``docker://``. A malformed one, or an
+    unknown transport (``dokcer://``), fails here, before anything starts.
+    Anything else must be a valid image name (``default``).
     """
-    from pytest_forkd.image.oci.reference import is_reference, parse_reference
+    from pytest_forkd.image.oci.reference import names_container_image, parse_reference
 
-    if isinstance(value, str) and is_reference(value):
-        parse_reference(value, bare=None)
-        return value
+    if isinstance(value, str) and names_container_image(value):
+        return str(parse_reference(value))
     return validate_tag(value, "image name")
 
 

@@ -353,22 +353,40 @@ class VM:
         listed = self._call("listing processes", self._agent.processes)
         return [self.process(item["pid"]) for item in listed]
 
-    def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> None:
-        """Write ``data`` to ``path`` in the guest (atomically, binary-safe)."""
+    def write_file(self, path: str, data: bytes | str, *, mode: int | None = None, user: str | None = None) -> None:
+        """Write ``data`` to ``path`` in the guest (atomically, binary-safe).
+
+        ``user`` (not root): write it in place as that user instead, as ``cat > path`` run as the user would
+        (its permissions apply, a new file is its own), streamed straight into the file.
+        """
         validate.guest_path(path)
+        validate.user(user)
         if not isinstance(data, (bytes, bytearray, memoryview, str)):
             raise validate.InvalidArgument(f"data for {path} must be bytes or str, got {type(data).__name__}")
         if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777):
             raise validate.InvalidArgument(f"mode for {path} must be a permission number such as 0o644, got {mode!r}")
         self.generation += 1
         entry = self.transcript.write_file(path, data, mode)
+        if user is not None:
+            entry["user"] = user
         started = time.perf_counter()
         try:
-            self._call(f"writing {path}", self._agent.write_file, path, data, mode=mode)
+            self._call(f"writing {path}", self._agent.write_file, path, data, mode=mode, user=user)
         except BaseException as exc:
             Transcript.finish(entry, started, error=exc)
             raise
         Transcript.finish(entry, started)
+
+    def write_stream(self, path: str, chunks: Iterable[bytes], *, mode: int | None = None) -> int:
+        """Write ``path`` from ``chunks`` as they come, atomically, as :meth:`write_file`; returns the bytes written.
+
+        Nothing is held on the host but the chunk in flight; if ``chunks`` raises, ``path`` keeps its old
+        contents (see :mod:`pytest_forkd.core.upload`).
+        """
+        from pytest_forkd.core.upload import write_stream
+
+        self.generation += 1
+        return write_stream(self, path, chunks, mode)
 
     def read_file(self, path: str, *, max_size: int | None = None) -> bytes:
         """Return the contents of ``path`` in the guest; larger than ``max_size`` (default 64 MiB) fails."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from ..errors import BackendError, ForkdError, HostNotReady, VMError
+from ..filesystems import is_no_space, mount_of
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
@@ -209,7 +210,7 @@ def memory_error(exc: OSError, pid: int, what: str) -> ForkdError:
             f"{what} QEMU process {pid} failed: the process is gone (the VM died); "
             "see its console log in the error that closed it"
         )
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if is_no_space(exc):
         return HostNotReady(
             f"{what} QEMU process {pid} failed: {exc.strerror}; free space on the filesystem "
             "holding the snapshot store (or /dev/shm), or remove old snapshots with "
@@ -391,22 +392,3 @@ def free_page_reporting(sysfs: Path = Path("/sys")) -> bool:
 def filesystem_type(path: str | os.PathLike[str]) -> str:
     """Type of the filesystem holding ``path`` (``tmpfs``, ``ext4``...), from /proc/self/mounts."""
     return mount_of(path)[1]
-
-
-def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """The mount point holding ``path`` and its filesystem type, from /proc/self/mounts (``unknown`` if unreadable)."""
-    target = os.path.realpath(path)
-    best, best_type = "/", "unknown"
-    try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount_point = fields[1].replace("\\040", " ")
-                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) >= len(best):
-                    best, best_type = mount_point, fields[2]
-    except OSError:
-        pass
-    return best, best_type

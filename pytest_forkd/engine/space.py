@@ -8,66 +8,52 @@ why. Containers make this common: Docker, GitLab's Docker executor and
 GitHub's ``container:`` jobs give /dev/shm 64 MiB. So the room is checked
 before a VM starts, a SIGBUS death is reported as what it is, and a write
 that fails with ENOSPC or EDQUOT becomes an error naming the filesystem,
-its free space and the fix.
+its free space and the fix. The filesystem facts and the classifier of such
+writes are the foundation's (:mod:`pytest_forkd.filesystems`, shared with the
+image store and the tools it runs); this module adds what guest memory and
+the snapshot store need on top: the room check before a start, QEMU's SIGBUS
+death, and the snapshot store's fix.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HostNotReady
-from .memory import mount_of
+from ..filesystems import (
+    MIB,
+    NO_SPACE_ERRNOS,
+    Filesystem,
+    existing_ancestor,
+    filesystem_of,
+    is_no_space,
+)
+from ..filesystems import no_space_text as _no_space_text
 
-MIB = 1 << 20
-#: Errors of a write that found no room: the filesystem is full, or the user's quota is.
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+__all__ = [
+    "MIB",
+    "NO_SPACE_ERRNOS",
+    "RUNTIME_FIX",
+    "STORE_HINT",
+    "Filesystem",
+    "check_room",
+    "exit_text",
+    "existing_ancestor",
+    "filesystem_of",
+    "is_no_space",
+    "killed_by_sigbus",
+    "no_space_text",
+    "room_problem",
+]
+
 #: How a container gets a bigger /dev/shm, and the other ways out, as one sentence.
 RUNTIME_FIX = (
     "give the container a bigger /dev/shm (docker run --shm-size=2g; GitLab: shm_size in the runner's "
     "[runners.docker]; Kubernetes: an emptyDir with medium Memory), set FORKD_SHM_DIR to a directory "
     "with more room, or give the VM less memory (memory_mib)"
 )
-
-
-@dataclass(frozen=True)
-class Filesystem:
-    """The filesystem holding a path: where it is mounted, its type, and its room (bytes)."""
-
-    path: Path
-    mount_point: str
-    type: str
-    free: int
-    size: int
-
-    def describe(self) -> str:
-        """``tmpfs at /dev/shm (12 MiB free of 64 MiB)``."""
-        return f"{self.type} at {self.mount_point} ({self.free // MIB} MiB free of {self.size // MIB} MiB)"
-
-
-def existing_ancestor(path: Path) -> Path:
-    """``path`` or its nearest existing ancestor (a directory not created yet is on its parent's filesystem)."""
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def filesystem_of(path: str | os.PathLike[str]) -> Filesystem:
-    """The filesystem that holds (or will hold) ``path``, with its free space for this user."""
-    existing = existing_ancestor(Path(path))
-    info = os.statvfs(existing)
-    mount_point, kind = mount_of(existing)
-    return Filesystem(
-        path=Path(path),
-        mount_point=mount_point,
-        type=kind,
-        free=info.f_bavail * info.f_frsize,
-        size=info.f_blocks * info.f_frsize,
-    )
 
 
 def room_problem(directory: str | os.PathLike[str], need: int, what: str) -> str | None:
@@ -107,20 +93,11 @@ def exit_text(returncode: int | None, ram_path: str | os.PathLike[str] | None) -
     )
 
 
-def is_no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` is a write that found no room (ENOSPC, EDQUOT)."""
-    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
-
-
 #: The fix for a full snapshot store.
 STORE_HINT = "free space there (`forkd snapshots rm` removes old snapshots) and try again"
 
 
 def no_space_text(exc: OSError, where: str | os.PathLike[str], what: str, hint: str = STORE_HINT) -> str:
-    """``what`` failed for lack of room in ``where``: the filesystem, its free space, the fix (``hint``)."""
-    try:
-        filesystem = filesystem_of(where).describe()
-    except OSError:
-        filesystem = "its filesystem"
-    reason = "the disk quota is exhausted" if exc.errno == errno.EDQUOT else "no space left"
-    return f"{what} failed: {reason} in {where}, on {filesystem}; {hint}"
+    """``what`` failed for lack of room in ``where`` (:func:`pytest_forkd.filesystems.no_space_text`), by default
+    with the snapshot store's fix."""
+    return _no_space_text(exc, where, what, hint)

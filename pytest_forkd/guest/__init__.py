@@ -2,8 +2,12 @@
 
 ``agent/`` runs inside the VM (a package in plain Python, standard library
 only) and ``wire.py`` is shared by both ends; ``client.py`` (AgentClient) is the
-host's end, ``exec_result.py`` what an exec returns. All of it runs without
-a VM, over a socketpair, which is how the unit tests drive it.
+host's end, with ``calls.py`` (requests in flight, their replies assembled) and
+``requests.py`` (the checked fields of exec and spawn); ``exec_result.py`` is
+what an exec returns. All of it runs without
+a VM, over a socketpair, which is how the unit tests drive it. The E2B
+server's guest programs live here too, outside the image: the code
+interpreter's (``interpreter.py``) and the filesystem helper (``e2b_files.py``).
 
 Layer 1 of docs/ARCHITECTURE.md, beside image. May import: the foundation
 (errors, paths, private, processes, sizes, tables, version, waiting) (the
@@ -30,6 +34,24 @@ def agent_files() -> dict[str, Path]:
     files["wire.py"] = GUEST_DIR / "wire.py"
     files["tarstream.py"] = GUEST_DIR / "tarstream.py"
     return files
+
+
+def interpreter_program() -> Path:
+    """The code interpreter's guest program (``interpreter.py``): one persistent Python context per process.
+
+    Not part of the image (so not in :func:`agent_files` nor the image key):
+    the E2B server copies it into a VM when a sandbox first runs code.
+    """
+    return GUEST_DIR / "interpreter.py"
+
+
+def e2b_files_program() -> Path:
+    """The E2B server's filesystem helper (``e2b_files.py``): envd's filesystem calls, answered in the guest.
+
+    Not part of the image either: the E2B server runs it in a template's VM
+    (its source on ``python3``'s command line) before the template is snapshotted.
+    """
+    return GUEST_DIR / "e2b_files.py"
 
 
 def install_agent(directory: Path) -> Path:

@@ -61,7 +61,26 @@ load_modules /etc/forkd/modules
 # forkd.image on the command line. The image's root becomes an overlay (the disk
 # below, guest memory above, so snapshots stay memory-only), and the agent runs
 # inside it with its own runtime, this initramfs, bind-mounted at /.forkd.
+#
+# The image is not trusted: any name in it may be a symlink, and an absolute
+# one would take init's writes and mounts out of the image root (into this
+# initramfs, the agent's own runtime). So a mount point is made a directory of
+# the image root itself, replacing whatever link the image put there, and every
+# other write goes through in_image: busybox chrooted in the image root, where
+# symlinks resolve inside it. Device nodes in an image give nobody a device
+# (nodev on every mount made of the image), as Docker's device cgroup denies them.
 IMAGE_ROOT=
+# mount_point NAME: $IMAGE_ROOT/NAME as a directory of the image root (a symlink or file there is replaced).
+mount_point() {
+    if [ -L "$IMAGE_ROOT/$1" ] || { [ -e "$IMAGE_ROOT/$1" ] && [ ! -d "$IMAGE_ROOT/$1" ]; }; then
+        rm -f "$IMAGE_ROOT/$1" || return 1
+    fi
+    [ -d "$IMAGE_ROOT/$1" ] || mkdir "$IMAGE_ROOT/$1"
+}
+# in_image COMMAND...: a busybox applet run chrooted in the image root (needs /.forkd mounted).
+in_image() {
+    chroot "$IMAGE_ROOT" /.forkd/usr/bin/busybox "$@"
+}
 case " $(cat /proc/cmdline) " in
 *" forkd.image "*)
     [ -r /etc/forkd/modules.image ] && load_modules /etc/forkd/modules.image
@@ -76,31 +95,37 @@ case " $(cat /proc/cmdline) " in
     done
     mkdir -p /mnt/image /mnt/rw /sysroot
     # The writable layer gets the room the initramfs root would have had.
-    if mount -t ext4 -o ro,noload /dev/vda /mnt/image &&
-        mount -t tmpfs -o mode=0755,size=75% tmpfs /mnt/rw &&
+    if mount -t ext4 -o ro,noload,nodev /dev/vda /mnt/image &&
+        mount -t tmpfs -o mode=0755,size=75%,nodev tmpfs /mnt/rw &&
         mkdir -p /mnt/rw/upper /mnt/rw/work &&
-        mount -t overlay -o lowerdir=/mnt/image/rootfs,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work overlay /sysroot; then
+        mount -t overlay -o nodev,lowerdir=/mnt/image/rootfs,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work overlay /sysroot; then
         IMAGE_ROOT=/sysroot
     else
         log "cannot mount the image disk /dev/vda as the root filesystem"
         exit 1
     fi
     cp /mnt/image/forkd/image.json /etc/forkd/image.json
-    for dir in .forkd proc sys dev tmp run; do
-        # Only where the image has nothing of that name (a symlink there stays the image's).
-        [ -e "$IMAGE_ROOT/$dir" ] || [ -L "$IMAGE_ROOT/$dir" ] || mkdir -p "$IMAGE_ROOT/$dir"
+    for dir in .forkd proc sys dev; do
+        mount_point "$dir" || log "cannot make /$dir a directory of the image root"
     done
-    chmod 1777 "$IMAGE_ROOT/tmp" 2>/dev/null
-    mount --bind / "$IMAGE_ROOT/.forkd" && mount -o remount,bind,ro "$IMAGE_ROOT/.forkd" ||
+    mount --bind / "$IMAGE_ROOT/.forkd" && mount -o remount,bind,ro,nodev,nosuid "$IMAGE_ROOT/.forkd" ||
         log "cannot mount forkd's runtime at /.forkd in the image"
+    # /tmp and /run only where the image has nothing of that name (a symlink there stays the image's,
+    # resolved inside the image root).
+    for dir in tmp run; do
+        [ -e "$IMAGE_ROOT/$dir" ] || [ -L "$IMAGE_ROOT/$dir" ] || mkdir "$IMAGE_ROOT/$dir"
+    done
+    in_image chmod 1777 /tmp 2>/dev/null
     mount -t proc proc "$IMAGE_ROOT/proc"
-    mount -t sysfs sysfs "$IMAGE_ROOT/sys"
-    mount -t devtmpfs devtmpfs "$IMAGE_ROOT/dev"
-    mkdir -p "$IMAGE_ROOT/dev/shm" "$IMAGE_ROOT/dev/pts"
-    mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$IMAGE_ROOT/dev/shm"
-    mount -t devpts -o gid=5,mode=620 devpts "$IMAGE_ROOT/dev/pts" 2>/dev/null
-    mount --bind /sys/fs/cgroup "$IMAGE_ROOT/sys/fs/cgroup" 2>/dev/null ||
-        log "cannot mount cgroup2 in the image: commands run without memory and process limits"
+    mount -t sysfs sysfs "$IMAGE_ROOT/sys" &&
+        { mount --bind /sys/fs/cgroup "$IMAGE_ROOT/sys/fs/cgroup" 2>/dev/null ||
+            log "cannot mount cgroup2 in the image: commands run without memory and process limits"; }
+    # devtmpfs: the kernel's own device nodes, the only ones an image's commands may open.
+    mount -t devtmpfs devtmpfs "$IMAGE_ROOT/dev" && {
+        mkdir -p "$IMAGE_ROOT/dev/shm" "$IMAGE_ROOT/dev/pts"
+        mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$IMAGE_ROOT/dev/shm"
+        mount -t devpts -o gid=5,mode=620 devpts "$IMAGE_ROOT/dev/pts" 2>/dev/null
+    }
     ;;
 esac
 
@@ -114,7 +139,12 @@ if [ -d /sys/class/net/eth0 ]; then
         ifconfig eth0 10.0.2.15 netmask 255.255.255.0 up && route add default gw 10.0.2.2
     fi || log "cannot configure the network card eth0"
     echo "nameserver 10.0.2.3" >/etc/resolv.conf
-    [ -n "$IMAGE_ROOT" ] && cp /etc/resolv.conf "$IMAGE_ROOT/etc/resolv.conf" 2>/dev/null
+    # The image's own resolv.conf is replaced (often a link into /run that nothing fills here), inside its root.
+    if [ -n "$IMAGE_ROOT" ]; then
+        { in_image mkdir -p /etc && in_image rm -f /etc/resolv.conf &&
+            in_image tee /etc/resolv.conf </etc/resolv.conf >/dev/null; } ||
+            log "cannot write /etc/resolv.conf in the image: its commands have no DNS"
+    fi
 fi
 
 # The host names its virtio-serial port "agent"; its device node is /dev/<port dir>.

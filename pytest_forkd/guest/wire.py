@@ -130,7 +130,11 @@ of the previous one silently, since nobody reads them any more.
 ``write_file``
     ``path``, optional ``mode`` (int); payload = the new contents, written to
     a temporary file in the same directory and renamed over ``path`` at the
-    end. Reply ``{size}``.
+    end. Reply ``{size}``. With ``user`` (as ``exec`` takes it) other than
+    root, the agent opens ``path`` itself as that user at the first frame (its
+    permissions apply; a new file is its own; only a regular file) and writes
+    every chunk into it in place as it arrives, as ``cat > path`` run as the
+    user would.
 ``copy_in``
     ``path`` (the destination in the guest); payload = a tar stream (see
     ``tarstream.py``), unpacked as its frames arrive, so the agent never

@@ -32,10 +32,11 @@ from typing import Any
 from filelock import FileLock
 
 from .. import paths
+from ..errors import UnknownImage
 from .builder import DEFAULT_NAME, build_image
 from .builder import ensure_image as ensure_named_image
 from .catalog import MANIFEST_FILE, Image, image_at, image_directory, is_published, point_name
-from .oci.reference import ImageReference, is_reference, parse_reference
+from .oci.reference import ImageReference, names_container_image, parse_reference
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -52,12 +53,18 @@ def ensure_image(name: str = DEFAULT_NAME, progress: Progress | None = None) -> 
     """The image to boot for ``name``: a container reference (``docker://…``, ``oci:…``, …) or an image name.
 
     A reference is pulled with the default policy (a reference pulled before
-    is used from the cache, without the network); a name is what
-    :func:`.builder.ensure_image` gives.
+    is used from the cache, without the network); a bare one
+    (``127.0.0.1:5000/app:1``) means ``docker://``, as Docker reads it. A plain
+    word is an image name, what :func:`.builder.ensure_image` gives.
     """
-    if is_reference(name):
+    if names_container_image(name):
         return ensure_container_image(name, progress=progress)
-    return ensure_named_image(name, progress=progress)
+    try:
+        return ensure_named_image(name, progress=progress)
+    except UnknownImage as exc:
+        if name == DEFAULT_NAME:
+            raise
+        raise UnknownImage(f"{exc}; for the container image of that name write docker://{name}") from None
 
 
 def container_image_name(reference: ImageReference, digest: str) -> str:

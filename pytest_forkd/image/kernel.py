@@ -28,14 +28,14 @@ import lzma
 import re
 import shutil
 import struct
-import subprocess
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ImageError
+from .. import zstdio
+from ..errors import ImageError, ImageToolMissing
 from .deb import data_tar
 
 GUEST_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console")
@@ -50,7 +50,6 @@ MODULE_PATH = re.compile(
     r"^(usr/)?lib/modules/(?P<release>[^/]+)/kernel/.+/(?P<module>[^/]+?)\.ko(?P<compression>\.xz|\.zst|\.gz)?$"
 )
 BUILTIN_LIST = re.compile(r"^(usr/)?lib/modules/(?P<release>[^/]+)/modules\.builtin$")
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 @dataclass(frozen=True)
@@ -90,50 +89,9 @@ def decompress_module(data: bytes, compression: str, where: str) -> bytes:
     return data
 
 
-ZSTD_CONTENTSIZE_LIMIT = 1 << 62  # above: "unknown" or "error" markers, not sizes
-
-
-def _libzstd() -> ctypes.CDLL | None:
-    for name in (ctypes.util.find_library("zstd"), "libzstd.so.1"):
-        if name:
-            try:
-                return ctypes.CDLL(name)
-            except OSError:
-                continue
-    return None
-
-
-def zstd_decompress(data: bytes, where: str, size: int | None = None) -> bytes:
-    """Undo zstd with libzstd (most hosts have it: apt links it) or else the ``zstd`` program.
-
-    ``size`` is the decompressed size when the caller knows it (the kernel's
-    trailer); a frame written from a pipe does not record it.
-    """
-    library = _libzstd()
-    if library is not None:
-        library.ZSTD_getFrameContentSize.restype = ctypes.c_ulonglong
-        library.ZSTD_getFrameContentSize.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
-        library.ZSTD_decompress.restype = ctypes.c_size_t
-        library.ZSTD_decompress.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
-        library.ZSTD_isError.restype = ctypes.c_uint
-        library.ZSTD_isError.argtypes = (ctypes.c_size_t,)
-        recorded = library.ZSTD_getFrameContentSize(data, len(data))
-        capacity = recorded if recorded < ZSTD_CONTENTSIZE_LIMIT else size
-        if capacity is not None:
-            output = ctypes.create_string_buffer(max(capacity, 1))
-            produced = library.ZSTD_decompress(output, capacity, data, len(data))
-            if not library.ZSTD_isError(produced):
-                return output.raw[:produced]
-    binary = shutil.which("zstd")
-    if binary is None:
-        raise ImageError(
-            f"{where} is compressed with zstd, and neither libzstd nor the zstd program is installed; "
-            "install zstd (apt-get install zstd)"
-        )
-    completed = subprocess.run([binary, "-dcq"], input=data, capture_output=True, check=False)
-    if completed.returncode != 0:
-        raise ImageError(f"{where}: zstd cannot decompress it ({completed.stderr.decode(errors='replace').strip()})")
-    return completed.stdout
+def zstd_decompress(data: bytes, where: str) -> bytes:
+    """Undo zstd with forkd's one zstd (:mod:`pytest_forkd.zstdio`: the ``zstd`` tool, else the module)."""
+    return zstdio.decompress(data, where, error=ImageError, missing=ImageToolMissing)
 
 
 def extract_kernel(
@@ -292,7 +250,7 @@ DECOMPRESSORS: dict[bytes, Callable[[bytes, int], bytes]] = {
     LZ4_LEGACY_MAGIC: _lz4_legacy,
     GZIP_MAGIC: lambda stream, size: gzip.decompress(stream),
     b"\xfd7zXZ\x00": lambda stream, size: lzma.decompress(stream, lzma.FORMAT_XZ),
-    ZSTD_MAGIC: lambda stream, size: zstd_decompress(stream, "the kernel", size),
+    zstdio.MAGIC: lambda stream, size: zstd_decompress(stream, "the kernel"),
 }
 
 

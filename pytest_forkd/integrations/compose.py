@@ -5,25 +5,34 @@ Agent evaluations describe their sandbox for Docker: Inspect's
 reads those files the way Docker Compose does and says what forkd makes of
 them, as a :class:`ComposeService`: the image (a reference, a bare one read as
 Docker reads it) or the Dockerfile build, the working directory, the
-environment, the user, and the machine (memory, vCPUs, network).
+environment, the user, the machine (memory, vCPUs), the network its
+``networks`` give (:mod:`.compose_networks`), and the main process its
+``entrypoint``/``command`` start, with its ``healthcheck``
+(:mod:`.compose_commands`).
 
 The service is the *default* one, chosen as Inspect's docker sandbox chooses
-it: the last service marked ``x-default: true``, else the one named
+it: the last service (in name order, as ``docker compose config`` lists
+them) whose ``x-default`` is true as Python reads it, else the one named
 ``default``. A compose file with other services besides it is refused with a
 message that lists them (forkd starts one VM per sample; it never drops a
 service silently).
 
-Keys that mean nothing for a VM (``init``, ``command``, ``healthcheck``,
-``stop_grace_period``...) are accepted and listed once in the log; those with
-a forkd equivalent are applied (``mem_limit``, ``cpus``, ``network_mode``,
-``deploy.resources.limits``). Keys whose meaning a VM cannot give (a bind
-mount, ``secrets``, ``network_mode: service:...``) fail with one line naming
-the key, as does a key Compose itself does not know.
+Every key of the service is one of four kinds, each handled openly:
 
-Values are interpolated as Compose interpolates them (``${VAR}``,
-``${VAR:-default}``, ``${VAR:?message}``, ``$$``...), from the environment
-given (the process's, by default) over the ``.env`` file beside the compose
-file.
+- *honoured*: applied as Docker applies it (:data:`HONOURED`);
+- *no meaning for a VM*: about how Docker manages a container (``init``,
+  ``restart``, ``labels``...) or already given by a VM (``cap_add``,
+  ``privileged``); accepted, listed once in the log at INFO
+  (:data:`NO_MEANING`);
+- *not honoured*: they change what the sample sees (``read_only``,
+  ``cap_drop``, ``hostname``, ``extra_hosts``...) and forkd does not give
+  them; accepted, named once in a WARNING (:data:`NOT_HONOURED`);
+- *refused*: a meaning a VM cannot give (a bind mount, ``secrets``,
+  ``network_mode: service:...``, an external network), or a key Compose does
+  not know either: one line naming the key (:data:`UNSUPPORTED`).
+
+Values are read as Compose reads YAML (:mod:`.compose_yaml`) and
+interpolated as Compose interpolates them (:mod:`.compose_interpolation`).
 
 Plain data and :mod:`yaml` only: no framework is imported, so every harness
 (and its tests) can use it.
@@ -38,15 +47,30 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import yaml
 
 from pytest_forkd.errors import ConfigError
+from pytest_forkd.integrations.compose_commands import ServiceProcess, service_process
+from pytest_forkd.integrations.compose_errors import Where, shown
+from pytest_forkd.integrations.compose_interpolation import DOTENV, interpolate, read_env_file
+from pytest_forkd.integrations.compose_keys import (
+    BUILD_HONOURED,
+    BUILD_NO_MEANING,
+    HONOURED,
+    NO_MEANING,
+    NOT_HONOURED,
+    TOP_LEVEL,
+    UNSUPPORTED,
+)
+from pytest_forkd.integrations.compose_networks import NetworkMode, check_networks, service_network
+from pytest_forkd.integrations.compose_yaml import load_yaml
 
 __all__ = [
     "COMPOSE_FILES",
     "ComposeService",
+    "NetworkMode",
     "ServiceBuild",
     "default_service_name",
     "dockerfile_service",
@@ -56,6 +80,7 @@ __all__ = [
     "load_compose",
     "log_ignored",
     "parse_compose",
+    "read_env_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,136 +88,28 @@ log = logging.getLogger(__name__)
 #: The names Docker Compose (and Inspect) look for, in their order.
 COMPOSE_FILES: Final = ("compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml")
 DOCKERFILE: Final = "Dockerfile"
-#: The environment file Compose reads for interpolation, beside the compose file.
-DOTENV: Final = ".env"
 
-NetworkMode = Literal["none", "outbound"]
-
-#: Service keys forkd applies (their meaning is in :class:`ComposeService`).
-HONOURED: Final = frozenset(
-    {
-        "image",
-        "build",
-        "working_dir",
-        "environment",
-        "env_file",
-        "user",
-        "mem_limit",
-        "cpus",
-        "network_mode",
-        "networks",
-        "deploy",
-        "platform",
-    }
-)
-#: Service keys that mean nothing for a VM of the default service: accepted, listed once in the log.
-NO_MEANING: Final = frozenset(
-    {
-        "annotations",
-        "attach",
-        "blkio_config",
-        "cap_add",
-        "cap_drop",
-        "cgroup",
-        "cgroup_parent",
-        "command",
-        "container_name",
-        "cpu_count",
-        "cpu_percent",
-        "cpu_period",
-        "cpu_quota",
-        "cpu_rt_period",
-        "cpu_rt_runtime",
-        "cpu_shares",
-        "cpuset",
-        "credential_spec",
-        "develop",
-        "device_cgroup_rules",
-        "devices",
-        "dns",
-        "dns_opt",
-        "dns_search",
-        "domainname",
-        "entrypoint",
-        "expose",
-        "extra_hosts",
-        "gpus",
-        "group_add",
-        "healthcheck",
-        "hostname",
-        "init",
-        "ipc",
-        "isolation",
-        "labels",
-        "label_file",
-        "logging",
-        "mac_address",
-        "mem_reservation",
-        "mem_swappiness",
-        "memswap_limit",
-        "oom_kill_disable",
-        "oom_score_adj",
-        "pid",
-        "pids_limit",
-        "ports",
-        "privileged",
-        "profiles",
-        "pull_policy",
-        "pull_refresh_after",
-        "read_only",
-        "restart",
-        "runtime",
-        "scale",
-        "security_opt",
-        "shm_size",
-        "stdin_open",
-        "stop_grace_period",
-        "stop_signal",
-        "storage_opt",
-        "sysctls",
-        "tmpfs",
-        "tty",
-        "ulimits",
-        "use_api_socket",
-        "userns_mode",
-        "uts",
-        "volumes",
-    }
-)
-#: Service keys whose meaning a VM cannot give (yet), and what to do instead.
-UNSUPPORTED: Final = {
-    "configs": "mount the files with the sample's files or COPY them in a Dockerfile",
-    "secrets": "mount the files with the sample's files or COPY them in a Dockerfile",
-    "depends_on": "forkd starts the default service only; remove the dependency",
-    "links": "forkd starts the default service only; remove the link",
-    "external_links": "forkd starts the default service only; remove the link",
-    "extends": "write the service out in full",
-    "volumes_from": "forkd starts the default service only; COPY the files in a Dockerfile",
-    "post_start": "run the commands in the sample's setup instead",
-    "pre_stop": "remove it (a sample's VM is killed, not stopped)",
-    "provider": "give the service an image or a build",
-    "models": "remove it",
-}
-#: Top-level keys of a compose file.
-TOP_LEVEL: Final = frozenset({"services", "volumes", "networks", "configs", "secrets", "name", "version", "include"})
-#: Keys of a ``build:`` mapping that forkd applies.
-BUILD_HONOURED: Final = frozenset({"context", "dockerfile", "args"})
-#: Keys of a ``build:`` mapping that change nothing in the image forkd gets (cache and registry settings).
-BUILD_NO_MEANING: Final = frozenset(
-    {"cache_from", "cache_to", "labels", "network", "no_cache", "pull", "shm_size", "tags", "isolation", "privileged"}
-)
-#: The one platform forkd runs.
+#: The one platform forkd runs, and the names it goes by.
 PLATFORM: Final = "linux/amd64"
+PLATFORM_NAMES: Final = frozenset({PLATFORM, "linux/x86_64", "amd64"})
 
 
 @dataclass(frozen=True)
 class ServiceBuild:
-    """``build:`` of a service: a Dockerfile built in a context directory, with build arguments."""
+    """``build:`` of a service: a Dockerfile built in a context directory, with build arguments and a target.
+
+    What the image is built from: two builds that differ in any field are two
+    images (see :func:`pytest_forkd.image.oci.builders.build_dockerfile`).
+    """
 
     context: Path
     dockerfile: Path
     """Absolute: ``dockerfile`` of the compose file, relative to the context."""
     args: tuple[tuple[str, str], ...] = ()
+    target: str | None = None
+    """The stage of a multi-stage Dockerfile to build (``--target``); None: the last one."""
+    platform: str | None = None
+    """``linux/amd64`` when the compose file names the platform (the only one forkd runs); None: the builder's."""
 
     @property
     def arguments(self) -> dict[str, str]:
@@ -221,24 +138,41 @@ class ComposeService:
     memory_mib: int | None = None
     vcpus: int | None = None
     network: NetworkMode = "outbound"
+    """``outbound`` when one of its networks reaches out (see :mod:`.compose_networks`), else ``none``."""
+    process: ServiceProcess | None = None
+    """The main process (``entrypoint``, ``command``, ``healthcheck``), started in the parent VM before its snapshot;
+    None: none at all (a bare Dockerfile, which Inspect runs with ``tail -f /dev/null``)."""
     ignored: tuple[str, ...] = field(default=(), compare=False)
-    """Keys accepted without effect (listed once in the log)."""
+    """Keys accepted without effect (listed once in the log, at INFO)."""
+    unhonoured: tuple[str, ...] = field(default=(), compare=False)
+    """Keys that change what the sample sees and that forkd does not give (named once in a WARNING)."""
 
     @property
     def env(self) -> dict[str, str]:
         return dict(self.environment)
 
 
-_logged: set[tuple[str, tuple[str, ...]]] = set()
+_logged: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
 
 
 def log_ignored(service: ComposeService) -> None:
-    """Say once per process and service which of its keys forkd accepted without effect."""
-    key = (service.origin, service.ignored)
-    if not service.ignored or key in _logged:
+    """Say once per process and service which of its keys forkd accepted without giving them.
+
+    Keys without meaning for a VM go to the log at INFO; keys that change
+    what the sample sees and are not honoured get a WARNING naming them,
+    which Inspect's display shows by default.
+    """
+    key = (service.origin, service.ignored, service.unhonoured)
+    if key in _logged:
         return
     _logged.add(key)
-    log.info(f"forkd: {service.origin}: no meaning for a VM, ignored: {', '.join(service.ignored)}")
+    if service.ignored:
+        log.info(f"forkd: {service.origin}: no meaning for a VM, ignored: {', '.join(service.ignored)}")
+    if service.unhonoured:
+        log.warning(
+            f"forkd: {service.origin}: not honoured (the sample's VM does not get what Docker would give): "
+            f"{', '.join(service.unhonoured)}"
+        )
 
 
 # -- file names --------------------------------------------------------------------------------------------------
@@ -273,7 +207,7 @@ def load_compose(path: Path | str, *, environ: Mapping[str, str] | None = None) 
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the compose file: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -301,10 +235,10 @@ def parse_compose(
     data: object, *, base: Path, origin: str = "compose.yaml", environ: Mapping[str, str] | None = None
 ) -> ComposeService:
     """The default service of loaded compose ``data``; relative paths resolve against ``base``."""
-    where = _Where(origin)
+    where = Where(origin)
     variables = dict(os.environ if environ is None else environ)
     if not isinstance(data, Mapping):
-        raise where.error("", f"expected a mapping with a services: key, got {_shown(data)}")
+        raise where.error("", f"expected a mapping with a services: key, got {shown(data)}")
     for key in data:
         if not isinstance(key, str) or (key not in TOP_LEVEL and not key.startswith("x-")):
             raise where.error(str(key), "unknown top-level key; a compose file has services, volumes, networks...")
@@ -327,14 +261,22 @@ def parse_compose(
     if body is None:
         body = {}
     if not isinstance(body, Mapping):
-        raise where.error(field_path, f"expected a mapping of service keys, got {_shown(body)}")
+        raise where.error(field_path, f"expected a mapping of service keys, got {shown(body)}")
     body = interpolate(body, variables, where, field_path)
-    return _service(str(name), body, where, field_path, base, variables)
+    networks = check_networks(interpolate(data.get("networks"), variables, where, "networks"), where)
+    return _service(str(name), body, where, field_path, base, variables, networks)
 
 
 def default_service_name(services: Mapping[Any, Any], origin: str = "compose.yaml") -> str:
-    """The service samples run in, as Inspect's docker sandbox picks it: ``x-default: true``, else ``default``."""
-    marked = [name for name, body in services.items() if isinstance(body, Mapping) and body.get("x-default") is True]
+    """The service samples run in, as Inspect's docker sandbox picks it: a true ``x-default``, else ``default``.
+
+    Inspect takes ``x-default`` as Python does (``service.get("x-default")``
+    in an ``if``): ``true``, ``1``, ``"yes"`` and even ``"no"`` or
+    ``"false"`` (non-empty text) mark a service; ``false``, ``0``, ``""`` and
+    null do not. It reads the services from ``docker compose config``, which
+    lists them by name, and the last marked one wins.
+    """
+    marked = [name for name in sorted(services, key=str) if _marked_default(services[name])]
     if marked:
         return str(marked[-1])
     if "default" in services:
@@ -346,10 +288,21 @@ def default_service_name(services: Mapping[Any, Any], origin: str = "compose.yam
     )
 
 
+def _marked_default(body: object) -> bool:
+    return isinstance(body, Mapping) and bool(body.get("x-default"))
+
+
 def _service(
-    name: str, body: Mapping[Any, Any], where: _Where, field_path: str, base: Path, environ: Mapping[str, str]
+    name: str,
+    body: Mapping[Any, Any],
+    where: Where,
+    field_path: str,
+    base: Path,
+    environ: Mapping[str, str],
+    networks: Mapping[str, Any],
 ) -> ComposeService:
     ignored: list[str] = []
+    unhonoured: list[str] = []
     for key in body:
         key_path = f"{field_path}.{key}"
         if not isinstance(key, str):
@@ -360,19 +313,20 @@ def _service(
             raise where.error(key_path, f"forkd cannot run a VM with this key; {UNSUPPORTED[key]}")
         if key in NO_MEANING:
             ignored.append(key)
-            continue
-        raise where.error(key_path, "unknown key; Docker Compose does not know it either (a typo?)")
+        elif key in NOT_HONOURED:
+            unhonoured.append(key)
+        else:
+            raise where.error(key_path, "unknown key; Docker Compose does not know it either (a typo?)")
     _check_volumes(body.get("volumes"), where, f"{field_path}.volumes")
-    _check_platform(body.get("platform"), where, f"{field_path}.platform")
+    platform = _platform(body.get("platform"), where, f"{field_path}.platform")
+    _check_scale(body.get("scale"), where, f"{field_path}.scale", unhonoured)
     image = body.get("image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
-        raise where.error(
-            f"{field_path}.image", f"expected an image reference such as python:3.12, got {_shown(image)}"
-        )
-    build = _build(body.get("build"), where, f"{field_path}.build", base, environ, ignored)
+        raise where.error(f"{field_path}.image", f"expected an image reference such as python:3.12, got {shown(image)}")
+    build = _build(body.get("build"), where, f"{field_path}.build", base, environ, ignored, platform)
     if image is None and build is None:
         raise where.error(field_path, "the service has neither image: nor build:; give it one")
-    memory_mib, vcpus = _resources(body, where, field_path, ignored)
+    memory_mib, vcpus = _resources(body, where, field_path, ignored, unhonoured)
     return ComposeService(
         name=name,
         origin=f"{where.origin}: {field_path}",
@@ -383,30 +337,41 @@ def _service(
         user=_user(body.get("user"), where, f"{field_path}.user"),
         memory_mib=memory_mib,
         vcpus=vcpus,
-        network=_network(body, where, field_path, ignored),
+        network=service_network(body, networks, where, field_path, ignored=ignored, unhonoured=unhonoured),
+        process=service_process(body, where, field_path, unhonoured=unhonoured),
         ignored=tuple(sorted(ignored)),
+        unhonoured=tuple(sorted(unhonoured)),
     )
 
 
 def _build(
-    value: object, where: _Where, field_path: str, base: Path, environ: Mapping[str, str], ignored: list[str]
+    value: object,
+    where: Where,
+    field_path: str,
+    base: Path,
+    environ: Mapping[str, str],
+    ignored: list[str],
+    platform: str | None,
 ) -> ServiceBuild | None:
     if value is None:
         return None
     if isinstance(value, str):
         value = {"context": value}
     if not isinstance(value, Mapping):
-        raise where.error(field_path, f"expected a context folder or a mapping with context:, got {_shown(value)}")
+        raise where.error(field_path, f"expected a context folder or a mapping with context:, got {shown(value)}")
     for key in value:
         if key in BUILD_HONOURED or str(key).startswith("x-"):
             continue
         if key in BUILD_NO_MEANING:
             ignored.append(f"build.{key}")
             continue
-        raise where.error(f"{field_path}.{key}", "forkd builds with context, dockerfile and args only; remove this key")
+        raise where.error(
+            f"{field_path}.{key}",
+            "forkd builds with context, dockerfile, args, target and platforms only; remove this key",
+        )
     context_text = value.get("context", ".")
     if not isinstance(context_text, str) or not context_text:
-        raise where.error(f"{field_path}.context", f"expected a folder, got {_shown(context_text)}")
+        raise where.error(f"{field_path}.context", f"expected a folder, got {shown(context_text)}")
     if re.match(r"^[a-z][a-z0-9+.-]*://", context_text) or context_text.startswith("git@"):
         raise where.error(f"{field_path}.context", "a remote build context is not supported; give a local folder")
     context = (base / os.path.expanduser(context_text)).absolute()
@@ -414,32 +379,44 @@ def _build(
         raise where.error(f"{field_path}.context", f"no such folder {context} (relative to {base})")
     dockerfile_text = value.get("dockerfile", DOCKERFILE)
     if not isinstance(dockerfile_text, str) or not dockerfile_text:
-        raise where.error(f"{field_path}.dockerfile", f"expected a file name, got {_shown(dockerfile_text)}")
+        raise where.error(f"{field_path}.dockerfile", f"expected a file name, got {shown(dockerfile_text)}")
     dockerfile = (context / dockerfile_text).absolute()
     if not dockerfile.is_file():
         raise where.error(f"{field_path}.dockerfile", f"no such Dockerfile {dockerfile} (relative to the context)")
     args = _pairs(value.get("args"), where, f"{field_path}.args", environ)
-    return ServiceBuild(context=context, dockerfile=dockerfile, args=tuple(args.items()))
+    target = value.get("target")
+    if target is not None and (not isinstance(target, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", target)):
+        raise where.error(f"{field_path}.target", f"expected the name of a build stage, got {shown(target)}")
+    platforms = value.get("platforms")
+    if platforms is not None:
+        if not isinstance(platforms, list) or not all(isinstance(item, str) for item in platforms):
+            raise where.error(f"{field_path}.platforms", f"expected a list of platforms, got {shown(platforms)}")
+        if not PLATFORM_NAMES.intersection(platforms):
+            raise where.error(f"{field_path}.platforms", f"forkd runs {PLATFORM} images only; add {PLATFORM}")
+        platform = PLATFORM
+    return ServiceBuild(
+        context=context, dockerfile=dockerfile, args=tuple(args.items()), target=target, platform=platform
+    )
 
 
-def _working_dir(value: object, where: _Where, field_path: str) -> str | None:
+def _working_dir(value: object, where: Where, field_path: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
-        raise where.error(field_path, f"expected an absolute path such as /srv/app, got {_shown(value)}")
+        raise where.error(field_path, f"expected an absolute path such as /srv/app, got {shown(value)}")
     return value
 
 
-def _user(value: object, where: _Where, field_path: str) -> str | None:
+def _user(value: object, where: Where, field_path: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
-        raise where.error(field_path, f"expected a user name or number (USER[:GROUP]), got {_shown(value)}")
+        raise where.error(field_path, f"expected a user name or number (USER[:GROUP]), got {shown(value)}")
     return str(value)
 
 
 def _environment(
-    body: Mapping[Any, Any], where: _Where, field_path: str, base: Path, environ: Mapping[str, str]
+    body: Mapping[Any, Any], where: Where, field_path: str, base: Path, environ: Mapping[str, str]
 ) -> dict[str, str]:
     """``env_file`` first, then ``environment`` over it, as Compose merges them."""
     merged: dict[str, str] = {}
@@ -453,14 +430,14 @@ def _environment(
                 required = entry.get("required", True) is not False
                 entry = entry.get("path")
             if not isinstance(entry, str) or not entry:
-                raise where.error(entry_path, f"expected a file name, got {_shown(entry)}")
+                raise where.error(entry_path, f"expected a file name, got {shown(entry)}")
             path = (base / os.path.expanduser(entry)).absolute()
             merged.update(read_env_file(path, origin=f"{where.origin}: {entry_path}", missing_ok=not required))
     merged.update(_pairs(body.get("environment"), where, f"{field_path}.environment", environ))
     return merged
 
 
-def _pairs(value: object, where: _Where, field_path: str, environ: Mapping[str, str]) -> dict[str, str]:
+def _pairs(value: object, where: Where, field_path: str, environ: Mapping[str, str]) -> dict[str, str]:
     """``environment:``/``args:``: a list of ``KEY=VALUE`` or a mapping; a key without a value comes from ``environ``.
 
     As in Compose, a key whose value is left out takes the value it has in
@@ -472,7 +449,7 @@ def _pairs(value: object, where: _Where, field_path: str, environ: Mapping[str, 
     if isinstance(value, list):
         for index, item in enumerate(value):
             if not isinstance(item, str) or not item:
-                raise where.error(f"{field_path}[{index}]", f"expected KEY=VALUE, got {_shown(item)}")
+                raise where.error(f"{field_path}[{index}]", f"expected KEY=VALUE, got {shown(item)}")
             key, sep, text = item.partition("=")
             _check_name(key, where, f"{field_path}[{index}]")
             if sep:
@@ -491,18 +468,18 @@ def _pairs(value: object, where: _Where, field_path: str, environ: Mapping[str, 
             elif isinstance(item, (str, int, float)):
                 pairs[key] = str(item)
             else:
-                raise where.error(f"{field_path}.{key}", f"expected a string or number, got {_shown(item)}")
+                raise where.error(f"{field_path}.{key}", f"expected a string or number, got {shown(item)}")
         return pairs
-    raise where.error(field_path, f"expected a list of KEY=VALUE or a mapping, got {_shown(value)}")
+    raise where.error(field_path, f"expected a list of KEY=VALUE or a mapping, got {shown(value)}")
 
 
-def _check_name(key: object, where: _Where, field_path: str) -> None:
+def _check_name(key: object, where: Where, field_path: str) -> None:
     if not isinstance(key, str) or not key or "=" in key or "\0" in key:
-        raise where.error(field_path, f"expected a variable name, got {_shown(key)}")
+        raise where.error(field_path, f"expected a variable name, got {shown(key)}")
 
 
 def _resources(
-    body: Mapping[Any, Any], where: _Where, field_path: str, ignored: list[str]
+    body: Mapping[Any, Any], where: Where, field_path: str, ignored: list[str], unhonoured: list[str]
 ) -> tuple[int | None, int | None]:
     """Memory in MiB and vCPUs from ``mem_limit``/``cpus``, else ``deploy.resources.limits``."""
     memory = body.get("mem_limit")
@@ -511,7 +488,7 @@ def _resources(
     deploy = body.get("deploy")
     if deploy is not None:
         if not isinstance(deploy, Mapping):
-            raise where.error(f"{field_path}.deploy", f"expected a mapping, got {_shown(deploy)}")
+            raise where.error(f"{field_path}.deploy", f"expected a mapping, got {shown(deploy)}")
         for key in deploy:
             if key != "resources":
                 ignored.append(f"deploy.{key}")
@@ -526,7 +503,7 @@ def _resources(
                 cpus, cpus_path = limits["cpus"], f"{field_path}.deploy.resources.limits.cpus"
             for key in limits:
                 if key not in ("memory", "cpus"):
-                    ignored.append(f"deploy.resources.limits.{key}")
+                    unhonoured.append(f"deploy.resources.limits.{key}")
     memory_mib = (
         None if memory is None else max(1, math.ceil(parse_compose_size(memory, where, memory_path) / (1 << 20)))
     )
@@ -537,7 +514,7 @@ def _resources(
         except (TypeError, ValueError):
             amount = -1.0
         if isinstance(cpus, bool) or not math.isfinite(amount) or amount <= 0:
-            raise where.error(cpus_path, f"expected a number of CPUs such as 2 or 0.5, got {_shown(cpus)}")
+            raise where.error(cpus_path, f"expected a number of CPUs such as 2 or 0.5, got {shown(cpus)}")
         vcpus = max(1, math.ceil(amount))
     return memory_mib, vcpus
 
@@ -546,7 +523,7 @@ _COMPOSE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(?:i?b)?\s*$", re.I
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 
 
-def parse_compose_size(value: object, where: _Where, field_path: str) -> int:
+def parse_compose_size(value: object, where: Where, field_path: str) -> int:
     """A byte size as Docker reads ``mem_limit``: ``536870912``, ``512m``, ``2g``, ``1.5gb`` (powers of 1024)."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
@@ -556,38 +533,15 @@ def parse_compose_size(value: object, where: _Where, field_path: str) -> int:
             size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
             if size > 0:
                 return size
-    raise where.error(field_path, f"expected a size such as 512m or 2g, got {_shown(value)}")
+    raise where.error(field_path, f"expected a size such as 512m or 2g, got {shown(value)}")
 
 
-def _network(body: Mapping[Any, Any], where: _Where, field_path: str, ignored: list[str]) -> NetworkMode:
-    """``network_mode: none`` gives no network card; anything a container would reach the outside with, outbound.
-
-    A container without ``network_mode`` is on Docker's bridge network,
-    which reaches whatever the host reaches: forkd's ``outbound`` mode.
-    """
-    mode = body.get("network_mode")
-    if "networks" in body:
-        ignored.append("networks")
-    if mode is None or mode in ("bridge", "default"):
-        return "outbound"
-    if mode == "none":
-        return "none"
-    if mode == "host":
-        ignored.append("network_mode: host (the VM reaches the host's loopback at 10.0.2.2)")
-        return "outbound"
-    if isinstance(mode, str) and mode.startswith(("service:", "container:")):
-        raise where.error(
-            f"{field_path}.network_mode", f"{mode!r} shares another container's network, which a VM cannot; remove it"
-        )
-    raise where.error(f"{field_path}.network_mode", f"expected none, bridge or host, got {_shown(mode)}")
-
-
-def _check_volumes(value: object, where: _Where, field_path: str) -> None:
+def _check_volumes(value: object, where: Where, field_path: str) -> None:
     """Named and anonymous volumes start empty, as in a fresh VM; a bind mount of a host path cannot be had."""
     if value is None:
         return
     if not isinstance(value, list):
-        raise where.error(field_path, f"expected a list of volumes, got {_shown(value)}")
+        raise where.error(field_path, f"expected a list of volumes, got {shown(value)}")
     for index, item in enumerate(value):
         source = ""
         if isinstance(item, str):
@@ -598,7 +552,7 @@ def _check_volumes(value: object, where: _Where, field_path: str) -> None:
             source = str(item.get("source") or "")
             bind = item.get("type") == "bind"
         else:
-            raise where.error(f"{field_path}[{index}]", f"expected a volume, got {_shown(item)}")
+            raise where.error(f"{field_path}[{index}]", f"expected a volume, got {shown(item)}")
         if bind:
             raise where.error(
                 f"{field_path}[{index}]",
@@ -606,156 +560,20 @@ def _check_volumes(value: object, where: _Where, field_path: str) -> None:
             )
 
 
-def _check_platform(value: object, where: _Where, field_path: str) -> None:
-    if value is not None and value not in (PLATFORM, "linux/x86_64", "amd64"):
-        raise where.error(field_path, f"forkd runs {PLATFORM} images only, not {_shown(value)}")
+def _platform(value: object, where: Where, field_path: str) -> str | None:
+    """``platform:``: None when unset, else :data:`PLATFORM` (the only one forkd runs); ConfigError for another."""
+    if value is None:
+        return None
+    if value not in PLATFORM_NAMES:
+        raise where.error(field_path, f"forkd runs {PLATFORM} images only, not {shown(value)}")
+    return PLATFORM
 
 
-# -- .env files --------------------------------------------------------------------------------------------------
-
-_ENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.-]*)\s*(?:=\s*(.*?))?\s*$")
-
-
-def read_env_file(path: Path, *, origin: str, missing_ok: bool = False) -> dict[str, str]:
-    """``KEY=VALUE`` lines as Compose reads an env file: ``#`` comments, ``export``, quoted values."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        if missing_ok:
-            return {}
-        raise ConfigError(f"{origin}: no such env file {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            f"{origin}: cannot read the env file {path}: {getattr(exc, 'strerror', None) or exc}"
-        ) from None
-    values: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        match = _ENV_LINE.match(line)
-        if match is None:
-            raise ConfigError(f"{origin}: {path.name} line {number}: expected KEY=VALUE, got {line.strip()[:80]!r}")
-        key, value = match.group(1), match.group(2)
-        if value is None:
-            continue
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-            if match.group(2)[0] == '"':
-                value = value.replace("\\n", "\n").replace('\\"', '"').replace("\\\\", "\\")
-        else:
-            value = re.sub(r"\s+#.*$", "", value)
-        values[key] = value
-    return values
-
-
-# -- interpolation ---------------------------------------------------------------------------------------------
-
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])(.*))?", re.DOTALL)
-
-
-def interpolate(value: Any, environ: Mapping[str, str], where: _Where | str, field_path: str = "") -> Any:
-    """``value`` (a loaded YAML tree) with ``$VAR``, ``${VAR}``, ``${VAR:-default}``... replaced as Compose does.
-
-    ``${VAR-d}``/``${VAR:-d}``: ``d`` when unset (or empty); ``${VAR?m}``/
-    ``${VAR:?m}``: ConfigError with ``m`` when unset (or empty);
-    ``${VAR+r}``/``${VAR:+r}``: ``r`` when set (and not empty); ``$$`` is a
-    ``$``. Keys are not interpolated, values of every depth are.
-    """
-    place = where if isinstance(where, _Where) else _Where(where)
-    if isinstance(value, str):
-        return _interpolate_text(value, environ, place, field_path)
-    if isinstance(value, Mapping):
-        return {
-            key: interpolate(item, environ, place, f"{field_path}.{key}" if field_path else str(key))
-            for key, item in value.items()
-        }
-    if isinstance(value, list):
-        return [interpolate(item, environ, place, f"{field_path}[{index}]") for index, item in enumerate(value)]
-    return value
-
-
-def _interpolate_text(text: str, environ: Mapping[str, str], where: _Where, field_path: str) -> str:
-    out: list[str] = []
-    index = 0
-    while index < len(text):
-        char = text[index]
-        if char != "$":
-            out.append(char)
-            index += 1
-            continue
-        following = text[index + 1 : index + 2]
-        if following == "$":
-            out.append("$")
-            index += 2
-        elif following == "{":
-            end = _closing_brace(text, index + 2)
-            if end < 0:
-                raise where.error(field_path, f"invalid interpolation in {text!r}: a '${{' is not closed")
-            out.append(_substitute(text[index + 2 : end], text, environ, where, field_path))
-            index = end + 1
-        else:
-            match = _NAME.match(text, index + 1)
-            if match is None:
-                out.append("$")
-                index += 1
-            else:
-                out.append(environ.get(match.group(), ""))
-                index = match.end()
-    return "".join(out)
-
-
-def _closing_brace(text: str, start: int) -> int:
-    depth = 1
-    index = start
-    while index < len(text):
-        if text.startswith("${", index):
-            depth += 1
-            index += 2
-            continue
-        if text[index] == "}":
-            depth -= 1
-            if depth == 0:
-                return index
-        index += 1
-    return -1
-
-
-def _substitute(body: str, text: str, environ: Mapping[str, str], where: _Where, field_path: str) -> str:
-    match = _BRACED.fullmatch(body)
-    if match is None:
-        raise where.error(
-            field_path, f"invalid interpolation ${{{body}}} in {text!r}: expected ${{NAME}} or ${{NAME:-default}}"
-        )
-    name, operator, argument = match.group(1), match.group(2), match.group(3) or ""
-    value = environ.get(name)
-    if operator is None:
-        return value or ""
-    empty_counts = operator.startswith(":")
-    unset = value is None or (empty_counts and value == "")
-    if operator.endswith("-"):
-        return _interpolate_text(argument, environ, where, field_path) if unset else str(value)
-    if operator.endswith("?"):
-        if unset:
-            message = _interpolate_text(argument, environ, where, field_path) or f"set {name}"
-            raise where.error(field_path, f"required variable {name} is missing a value: {message}")
-        return str(value)
-    return "" if unset else _interpolate_text(argument, environ, where, field_path)
-
-
-# -- messages ----------------------------------------------------------------------------------------------------
-
-
-class _Where:
-    """Builds ConfigErrors that start with ``<file>: <field path>:``."""
-
-    def __init__(self, origin: str) -> None:
-        self.origin = origin
-
-    def error(self, field_path: str, problem: str) -> ConfigError:
-        return ConfigError(f"{self.origin}: {field_path}: {problem}" if field_path else f"{self.origin}: {problem}")
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return "nothing" if value is None else f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+def _check_scale(value: object, where: Where, field_path: str, unhonoured: list[str]) -> None:
+    """``scale: 1`` is what forkd does anyway; more containers of the service are not started."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise where.error(field_path, f"expected a whole number of containers, got {shown(value)}")
+    if value != 1:
+        unhonoured.append(f"scale: {value} (one VM per sample)")

@@ -43,7 +43,7 @@ import posixpath
 import secrets
 import shlex
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, overload
@@ -56,6 +56,7 @@ from inspect_ai.util import (
     SandboxEnvironmentConfigType,
     SandboxEnvironmentLimits,
     SandboxEnvironmentSpec,
+    display_type,
     sandboxenv,
 )
 from pydantic import BaseModel
@@ -77,7 +78,6 @@ from pytest_forkd.integrations.inspect_support import (
     argv_script,
     argv_too_large,
     config_path,
-    copy_as_user,
     decode_text,
     deserialize_config,
     exec_result,
@@ -227,9 +227,27 @@ def _image_state(config: SandboxEnvironmentConfigType | None) -> _ImageConfigSta
         return _image_configs.setdefault(_config_identity(config), _ImageConfigState(base=Path.cwd()))
 
 
-def _open_image(key: Hashable, guest: ImageGuest) -> ForkdSession:
+def _progress(announce: bool) -> Callable[[str], None]:
+    """Where the lines of a pull, a build and a snapshot's boot go: the log, and during ``task_init`` the console.
+
+    Inspect suspends its task display around ``task_init`` (its docker
+    sandbox prints its pulls and builds there), so a build is never silent;
+    samples run under the live display, where only the log is safe. Display
+    ``none`` keeps stdout machine-readable, so there the lines are logged only.
+    """
+    if not announce or display_type() == "none":
+        return log.info
+
+    def show(line: str) -> None:
+        log.debug(line)
+        print(line, flush=True)
+
+    return show
+
+
+def _open_image(key: Hashable, guest: ImageGuest, announce: bool = False) -> ForkdSession:
     """Open an image's session: build or pull, boot its snapshot once, start its pool (blocking)."""
-    session = open_image_session(guest, progress=log.info)
+    session = open_image_session(guest, progress=_progress(announce))
     try:
         _warm(session)
         _image_defaults[key] = image_defaults(session)
@@ -240,7 +258,7 @@ def _open_image(key: Hashable, guest: ImageGuest) -> ForkdSession:
 
 
 async def _image_session(
-    config: SandboxEnvironmentConfigType | None, environ: dict[str, str]
+    config: SandboxEnvironmentConfigType | None, environ: dict[str, str], *, announce: bool = False
 ) -> tuple[ForkdSession, ImageSample, ImageDefaults]:
     """The session of the image a config names (interpolated with ``environ``), opened once for the config.
 
@@ -259,7 +277,7 @@ async def _image_session(
     if session is None:
         try:
             session = await anyio.to_thread.run_sync(
-                functools.partial(SESSIONS.acquire, key, lambda: _open_image(key, sample.guest))
+                functools.partial(SESSIONS.acquire, key, lambda: _open_image(key, sample.guest, announce))
             )
         except ForkdError as exc:
             with _resolved_lock:
@@ -282,7 +300,7 @@ def _again(exc: ForkdError) -> ForkdError:
 async def _acquire_image(config: SandboxEnvironmentConfigType | None) -> None:
     """``task_init`` of an image config: make its image's warm parent now; a failure is its samples' error."""
     try:
-        await _image_session(config, dict(os.environ))
+        await _image_session(config, dict(os.environ), announce=True)
     except ForkdError as exc:
         log.warning(f"forkd sandbox: the samples of {config!r} will fail: {exc}")
 
@@ -510,15 +528,10 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
         path = guest_path(file, self.workdir)
         if not is_root(self.user):
             data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
-            if len(data) <= STDIN_WRITE_LIMIT:
-                written = await self._as_user(write_as_user(path), file, stdin=data)
-            else:
-                upload = f"/tmp/.forkd-upload-{secrets.token_hex(8)}"
-                await self.vm.write_file(upload, data, mode=0o644)
-                try:
-                    written = await self._as_user(copy_as_user(path, upload), file)
-                finally:
-                    await self.vm.exec(["rm", "-f", "--", upload], user="0")
+            if len(data) > STDIN_WRITE_LIMIT:
+                await self._write_large_as_user(path, file, data)
+                return
+            written = await self._as_user(write_as_user(path), file, stdin=data)
             if not written.ok:
                 raise file_error(written.stderr, file)
             return
@@ -533,6 +546,23 @@ class ForkdSandboxEnvironment(SandboxEnvironment):
             raise NotADirectoryError(20, f"cannot create the directories of {file}: {made.stderr.strip()}", file)
         try:
             await self.vm.write_file(path, contents)
+        except GuestOSError as exc:
+            raise os_error(exc, file) from None
+
+    async def _write_large_as_user(self, path: str, file: str, data: bytes) -> None:
+        """Stream ``data`` into ``path`` in place as the sample's user (no second copy in guest memory)."""
+        user = guest_user(self.user)
+        try:
+            await self.vm.write_file(path, data, user=user)
+            return
+        except GuestOSError as exc:
+            if exc.errno != 2:  # ENOENT: a directory on the way is missing
+                raise os_error(exc, file) from None
+        made = await self._as_user(["mkdir", "-p", "--", posixpath.dirname(path)], file)
+        if not made.ok:
+            raise file_error(made.stderr, file)
+        try:
+            await self.vm.write_file(path, data, user=user)
         except GuestOSError as exc:
             raise os_error(exc, file) from None
 

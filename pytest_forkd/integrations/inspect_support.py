@@ -356,21 +356,14 @@ def os_error(exc: GuestOSError, path: str) -> OSError:
 WRITE_AS_USER = 'd=${1%/*}; if [ -n "$d" ] && [ "$d" != "$1" ]; then mkdir -p -- "$d" || exit 1; fi; cat > "$1"'
 
 
-#: Above this many bytes, ``write_file`` as another user copies a file the agent uploaded (streamed to the
-#: guest's disk) rather than sending the contents as the command's stdin, which the agent holds in memory.
+#: Above this many bytes, ``write_file`` as another user streams the contents straight into the file through
+#: the agent's own ``write_file`` as that user, rather than as the command's stdin, which the agent holds in memory.
 STDIN_WRITE_LIMIT = 1 << 20
-#: Copies "$2" into "$1" in place, making its folder first: the large ``write_file`` as another user.
-COPY_AS_USER = 'd=${1%/*}; if [ -n "$d" ] && [ "$d" != "$1" ]; then mkdir -p -- "$d" || exit 1; fi; cat -- "$2" > "$1"'
 
 
 def write_as_user(path: str) -> list[str]:
     """The command that writes its stdin to ``path`` as the user it runs as."""
     return ["/bin/sh", "-c", WRITE_AS_USER, "forkd-write", path]
-
-
-def copy_as_user(path: str, source: str) -> list[str]:
-    """The command that copies ``source`` (readable by everyone) into ``path`` as the user it runs as."""
-    return ["/bin/sh", "-c", COPY_AS_USER, "forkd-write", path, source]
 
 
 def read_as_user(path: str) -> list[str]:

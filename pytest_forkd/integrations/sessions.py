@@ -25,7 +25,10 @@ that hands out its VMs: a snapshot of the image booted once (pulled or built
 first, then cached in the store like any snapshot), whose children fork from
 a pool kept warm. Equal guests are equal keys, so a harness keeps one session
 per guest in :data:`SESSIONS` and
-every sandbox of the same image is a child of the same parent.
+every sandbox of the same image is a child of the same parent. A compose
+service's main process (its ``command``, or the image's ``CMD``) is started
+in that parent before its snapshot (:mod:`.service_process`), so every child
+has it running.
 
 The session is built from a project made in memory (one snapshot recipe whose
 ``from:`` is the reference), with the settings a session outside pytest
@@ -48,6 +51,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pytest_forkd.errors import ConfigError, InvalidArgument
 from pytest_forkd.integrations.compose import ComposeService, ServiceBuild
+from pytest_forkd.integrations.compose_commands import ServiceProcess
 
 if TYPE_CHECKING:
     from pytest_forkd.project.session import ForkdSession
@@ -192,6 +196,10 @@ class ImageGuest:
     network: Literal["none", "outbound"] = "none"
     pool: int | None = None
     """Children kept restored ahead of demand (None: the settings' ``pool``)."""
+    process: ServiceProcess | None = None
+    """A compose service's main process, started in the snapshot (see :mod:`.service_process`); None: none."""
+    process_user: str | None = None
+    """Who the main process runs as (the service's ``user:``); None: the image's ``User``."""
     origin: str = field(default="image", compare=False)
     """How messages name where the guest was described (``compose.yaml: services.default``)."""
 
@@ -219,6 +227,8 @@ class ImageGuest:
             vcpus=service.vcpus,
             network=service.network,
             pool=pool,
+            process=service.process,
+            process_user=service.user if service.process is not None else None,
             origin=service.origin,
         )
 
@@ -236,6 +246,9 @@ class ImageGuest:
         identity = dataclasses.asdict(self)
         identity.pop("origin")
         identity.pop("pool")
+        for unset in ("process", "process_user"):  # guests without them keep the names they had
+            if identity[unset] is None:
+                identity.pop(unset)
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
         stem = (
             self.build.context.name or "build"
@@ -280,6 +293,11 @@ def open_image_session(guest: ImageGuest, *, progress: Callable[[str], None] | N
         pull = "never"  # just built (or found up to date) with its context and arguments: boot that image
     assert reference is not None
     name = guest.snapshot_name()
+    starter = None
+    if guest.process is not None:
+        from pytest_forkd.integrations.service_process import ServiceStarter
+
+        starter = ServiceStarter(guest.process, reference, user=guest.process_user, origin=guest.origin)
     recipe = SnapshotRecipe(
         name=name,
         source=reference,
@@ -288,6 +306,7 @@ def open_image_session(guest: ImageGuest, *, progress: Callable[[str], None] | N
         env=dict(guest.env),
         workdir=guest.workdir,
         network=NetworkSpec(mode=guest.network),
+        main_process=starter,
     )
     project = Project(snapshots={name: recipe})
     chosen = dataclasses.replace(settings, snapshot=name, pull=pull)
@@ -322,11 +341,13 @@ def image_defaults(session: ForkdSession) -> ImageDefaults:
 def built_reference(
     build: ServiceBuild, *, policy: str = "missing", progress: Callable[[str], None] | None = None
 ) -> str:
-    """Build ``build`` with the host's builder (unless an up-to-date build is stored); its reference in the store.
+    """Build ``build`` with the host's builder (unless the store has this build); its reference in the store.
 
-    The store keeps a build under ``dockerfile:PATH`` with what it was built
-    from (context, arguments); ``policy`` is the pull policy (``always``
-    builds again, ``never`` takes the last build).
+    The store keeps each build under ``dockerfile:PATH@sha256:KEY``, KEY
+    hashing what it is built from (the Dockerfile, the context's files, the
+    arguments, the target and the platform), so builds of one Dockerfile
+    with other arguments are other images; ``policy`` is the pull policy
+    (``always`` builds again, ``never`` takes a stored build).
     """
     from pytest_forkd.image.oci.builders import build_dockerfile
     from pytest_forkd.image.oci.pull import check_policy
@@ -335,6 +356,8 @@ def built_reference(
         build.dockerfile,
         context=build.context,
         args=dict(build.args),
+        target=build.target,
+        platform=build.platform,
         policy=check_policy(policy),
         progress=progress,
     )

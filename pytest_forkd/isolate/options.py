@@ -43,6 +43,8 @@ class IsolateSettings:
     """Paths (relative to the rootdir) copied into the guest; empty: the rootdir."""
     exclude: tuple[str, ...] = ()
     """Glob patterns left out of the copy, besides the defaults."""
+    timeout_given: bool = False
+    """Whether the timeout was set (command line, env, ini) rather than the default."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,14 @@ class IsolatedTest:
     fresh: bool
     timeout: float
     file: str
-    """Node id of its file (module): tests of one file share the parent's set-up of it."""
+    """Node id of its file (module)."""
+    scope: str = ""
+    """Node id of what its children inherit set up: its class, else its file (tests of one scope share it)."""
+    plugin_timeout: float | None = None
+    """pytest-timeout's limit for it (marker, ``--timeout``, env, ini), when the host has that plugin."""
+    timeout_given: bool = False
+    """Whether ``timeout`` was set for forkd (its marker, option, env or ini): it then holds even when the
+    guest's pytest-timeout would wait longer."""
 
 
 def add_options(group: pytest.OptionGroup, parser: pytest.Parser) -> None:
@@ -129,6 +138,7 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Iso
     return IsolateSettings(
         enabled=enabled,
         timeout=timeout,
+        timeout_given=cli_timeout is not None or bool(environ.get(f"{ENV_PREFIX}ISOLATE_TIMEOUT")) or bool(ini_timeout),
         paths=tuple(_ini(config, f"{INI_PREFIX}isolate_paths") or ()),
         exclude=tuple(_ini(config, f"{INI_PREFIX}isolate_exclude") or ()),
     )
@@ -139,6 +149,56 @@ def _file_nodeid(item: pytest.Item) -> str:
     while node is not None and not isinstance(node, pytest.File):
         node = node.parent
     return str(node.nodeid if node is not None else item.nodeid.split("::")[0])
+
+
+def scope_nodeid(item: pytest.Item) -> str:
+    """Node id of the scope the item's children inherit set up: its class when the test uses class-scoped set-up
+    (a class-scoped fixture, ``setup_class``, ``setUpClass``: pytest makes each a class-scoped fixture), else
+    its file.
+
+    A class without any runs in its module's branch: each scope of its own
+    costs a branch of the parent and a child restored afresh for its first
+    test.
+    """
+    from pytest_forkd.guest import isolate_pytest
+
+    node: Any = item.parent
+    while node is not None and not isinstance(node, (pytest.Class, pytest.File)):
+        node = node.parent
+    if not isinstance(node, pytest.Class):
+        return _file_nodeid(item)
+    definitions = isolate_pytest.fixture_definitions(item) or {}
+    for name in getattr(item, "fixturenames", ()):
+        found = definitions.get(name)
+        if found and isolate_pytest.fixture_scope(found[-1]) == "class":
+            return str(node.nodeid)
+    return _file_nodeid(item)
+
+
+def pytest_timeout_seconds(item: pytest.Item, environ: dict[str, str] | None = None) -> float | None:
+    """pytest-timeout's limit for ``item`` as that plugin reads it (marker, option, env, ini); None without it."""
+    config = item.config
+    if not config.pluginmanager.hasplugin("timeout"):
+        return None
+    marker = item.get_closest_marker("timeout")
+    candidates: list[object] = []
+    if marker is not None:
+        candidates += [marker.args[0]] if marker.args else [marker.kwargs.get("timeout")]
+    environ = dict(os.environ) if environ is None else environ
+    candidates += [config.getoption("timeout", None), environ.get("PYTEST_TIMEOUT")]
+    try:
+        candidates.append(config.getini("timeout"))
+    except (ValueError, pytest.UsageError):
+        pass
+    for candidate in candidates:
+        if candidate is None or candidate == "":
+            continue
+        try:
+            seconds = float(candidate)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        return seconds if seconds > 0 else None
+    return None
 
 
 def runs_on_host(item: pytest.Item) -> bool:
@@ -164,8 +224,10 @@ def isolated_test(item: pytest.Item, settings: IsolateSettings) -> IsolatedTest 
     if not isinstance(fresh, bool):
         raise ConfigError(f"{where}: fresh: expected True or False, got {fresh!r}")
     timeout = settings.timeout
+    given = settings.timeout_given
     if kwargs.get("timeout") is not None:
         timeout = parse_timeout(kwargs["timeout"], f"{where}: timeout")
+        given = True
     else:
         timeout_marker = item.get_closest_marker("timeout")  # pytest-timeout's, when the suite uses it
         if timeout_marker is not None and timeout_marker.args:
@@ -173,4 +235,11 @@ def isolated_test(item: pytest.Item, settings: IsolateSettings) -> IsolatedTest 
                 timeout = parse_timeout(timeout_marker.args[0], f"timeout marker on {item.nodeid}")
             except ConfigError:
                 pass
-    return IsolatedTest(fresh=fresh, timeout=timeout, file=_file_nodeid(item))
+    return IsolatedTest(
+        fresh=fresh,
+        timeout=timeout,
+        file=_file_nodeid(item),
+        scope=scope_nodeid(item),
+        plugin_timeout=pytest_timeout_seconds(item),
+        timeout_given=given,
+    )

@@ -7,18 +7,13 @@ the same as in a local run. The rootdir is copied, or the paths of ini
 folder holding a ``pyvenv.cfg``), caches and byte-code, and the patterns of
 ini ``forkd_isolate_exclude``.
 
-The guest's pytest gets the host's pytest settings that shape the tests'
-reports, not the host's command line: collection and selection (``-k``,
+The guest's pytest gets the host's settings as the host parsed them (see
+:mod:`~pytest_forkd.isolate.forwarding`): collection and selection (``-k``,
 ``-m``, ``-x``, ``--lf``) and reporting (the terminal, ``--junitxml``,
 pytest-html) stay on the host. Its arguments are the rootdir and the ini file
-(the same files, copied), the test files of the tests to run, the verbosity
-and traceback options, ``-o`` overrides, ``-W`` filters, the doctest and
-import-mode options, and ``-p no:NAME``. The ini file's ``addopts`` are left
-out there (they were applied on the host, and they may name plugins the
-guest lacks), and options a ``conftest.py`` adds with ``parser.addoption``
-are set to their values on the host. The guest runs pytest as
-``python3 -m pytest`` would, from the same directory: that directory is
-first on ``sys.path``, and ``PYTHONPATH`` is passed on.
+(the same files, copied) and the test files of the tests to run. It runs
+from the same directory, with the project's code first on ``sys.path`` as
+the host has it (:mod:`~pytest_forkd.isolate.imports`).
 
 Plain data in and out, so it is tested without a VM.
 """
@@ -58,10 +53,10 @@ SYSTEM_DIRECTORIES: Final = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib
 SYSTEM_TREES: Final = ("/dev", "/proc", "/sys", "/opt/forkd", "/usr", "/sbin", "/bin", "/lib", "/etc", "/run")
 #: Where the runner and its spec go in the guest (tmpfs, outside the project).
 RUNNER_DIR: Final = "/run/forkd-isolate"
-RUNNER_PATH: Final = f"{RUNNER_DIR}/forkd_isolate_runner.py"
+#: The runner and the modules beside it (``pytest_forkd/guest/``), copied into ``RUNNER_DIR`` as they are.
+RUNNER_FILES: Final = ("isolate_runner.py", "isolate_plugin.py", "isolate_pytest.py", "isolate_imports.py")
+RUNNER_PATH: Final = f"{RUNNER_DIR}/{RUNNER_FILES[0]}"
 SPEC_PATH: Final = f"{RUNNER_DIR}/spec.json"
-#: Plugins the guest's pytest never loads: the host runs them (or they make no sense in a child VM).
-GUEST_BLOCKED_PLUGINS: Final = ("cacheprovider", "xdist", "terminal", "forkd")
 #: How far down the copied trees a virtualenv (a folder with ``pyvenv.cfg``) is looked for.
 VENV_SEARCH_DEPTH: Final = 2
 
@@ -180,76 +175,6 @@ def test_files(paths: Iterable[Path], plan_copies: Sequence[Copy]) -> list[str]:
     return files
 
 
-def guest_arguments(config: pytest.Config, files: Sequence[str]) -> list[str]:
-    """The guest pytest's command line: the host's settings that shape the reports, and the test files."""
-    option = config.option
-    args = ["--rootdir", str(config.rootpath)]
-    if config.inipath is not None:
-        args += ["-c", str(config.inipath)]
-    args += ["-o", "addopts="]
-    for name in GUEST_BLOCKED_PLUGINS:
-        args += ["-p", f"no:{name}"]
-    for plugin in getattr(option, "plugins", None) or ():
-        if plugin.startswith("no:") and plugin[3:] not in GUEST_BLOCKED_PLUGINS:
-            args += ["-p", plugin]
-    for dest, flag in (("capture", "--capture"), ("importmode", "--import-mode")):
-        value = getattr(option, dest, None)
-        if isinstance(value, str) and value:
-            args.append(f"{flag}={value}")
-    for dest, flag in (
-        ("runxfail", "--runxfail"),
-        ("doctestmodules", "--doctest-modules"),
-        ("doctest_continue_on_failure", "--doctest-continue-on-failure"),
-        ("strict_markers", "--strict-markers"),
-        ("noconftest", "--noconftest"),
-    ):
-        if getattr(option, dest, False) is True:
-            args.append(flag)
-    for glob in getattr(option, "doctestglob", None) or ():
-        args.append(f"--doctest-glob={glob}")
-    for override in getattr(option, "override_ini", None) or ():
-        if not override.split("=", 1)[0].strip() == "addopts":
-            args += ["-o", override]
-    for warning_filter in getattr(option, "pythonwarnings", None) or ():
-        args += ["-W", warning_filter]
-    return [*args, *files]
-
-
-#: Options of the terminal plugin (not loaded in the guest) that shape a report's text, set by name there.
-REPORT_OPTIONS: Final = ("verbose", "tbstyle", "showlocals", "fulltrace", "showcapture")
-
-
-def guest_options(config: pytest.Config) -> dict[str, Any]:
-    """Options the guest's pytest gets set by name: how reports read, and those of the project's conftest.py.
-
-    The first are the terminal plugin's (``-v``, ``--tb``, ``-l``...), which
-    the guest does not load but whose values shape assertion messages and
-    tracebacks. The others were added with ``parser.addoption`` (a
-    conftest.py's way) and differ from their default. Only values JSON can
-    carry are passed.
-    """
-    parser = getattr(config, "_parser", None)
-    anonymous = getattr(parser, "_anonymous", None)
-    forwarded: dict[str, Any] = {}
-    for name in REPORT_OPTIONS:
-        value = getattr(config.option, name, None)
-        if isinstance(value, (bool, int, str)):
-            forwarded[name] = value
-    for argument in getattr(anonymous, "options", ()):
-        dest = getattr(argument, "dest", None)
-        if not isinstance(dest, str) or dest.startswith("forkd"):
-            continue
-        value = getattr(config.option, dest, None)
-        if value == argument.attrs().get("default"):
-            continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            continue
-        forwarded[dest] = value
-    return forwarded
-
-
 def guest_cwd(config: pytest.Config, plan_copies: Sequence[Copy]) -> str:
     """The runner's working directory: pytest's own when it is copied, else the rootdir."""
     invocation = Path(config.invocation_params.dir)
@@ -265,17 +190,32 @@ def plan(
     *,
     configured_paths: Sequence[str],
     exclude: Sequence[str],
+    collected_files: Iterable[Path] = (),
     environ: Mapping[str, str] = os.environ,
 ) -> GuestPlan:
-    """The guest plan of a run whose isolated tests live in ``test_paths``."""
+    """The guest plan of a run whose isolated tests live in ``test_paths``.
+
+    ``collected_files``: every test file the host collected (the guest
+    imports those itself; they are not checked as the project's packages).
+    """
+    from pytest_forkd.guest import isolate_pytest
+    from pytest_forkd.isolate import forwarding
+    from pytest_forkd.isolate.imports import project_imports
+
     rootdir = Path(config.rootpath)
     plan_copies = copies(copied_paths(rootdir, configured_paths, config.inipath), exclude)
     files = test_files(test_paths, plan_copies)
     cwd = guest_cwd(config, plan_copies)
-    spec = {
-        "args": guest_arguments(config, files),
-        "options": guest_options(config),
-        "sys_path": [cwd],
+    imports = project_imports(plan_copies, [*collected_files, *files], cwd=str(config.invocation_params.dir))
+    spec: dict[str, Any] = {
+        "args": forwarding.command_line(config, files),
+        "report_options": forwarding.report_options(config),
+        "options": forwarding.options_by_name(config),
+        "sys_path": list(imports.sys_path),
+        "editable": dict(imports.editable),
+        "project_modules": dict(imports.modules),
     }
-    env = {"PYTHONPATH": environ["PYTHONPATH"]} if environ.get("PYTHONPATH") else {}
-    return GuestPlan(copies=plan_copies, cwd=cwd, spec=spec, env=env)
+    junitxml = isolate_pytest.junitxml(config)
+    if junitxml is not None:
+        spec["junit_family"] = str(getattr(junitxml, "family", "xunit1"))
+    return GuestPlan(copies=plan_copies, cwd=cwd, spec=spec, env=forwarding.environment(environ))

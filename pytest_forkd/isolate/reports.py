@@ -2,9 +2,19 @@
 
 The guest's pytest serializes each report with ``pytest_report_to_serializable``
 (as pytest-xdist's workers do); the host reads it back with
-``pytest_report_from_serializable``, so the terminal, ``--junitxml`` and
-pytest-html see the assertion introspection, tracebacks and captured output
-the test produced, as in a local run. When the test's VM died or ran out of
+``pytest_report_from_serializable``, so the terminal, ``--junitxml``,
+``--lf``, ``--sw`` and pytest-html see the assertion introspection,
+tracebacks, captured output and user properties the test produced, as in a
+local run. JSON is not execnet: what pytest keeps in tuples comes back as
+lists (a skip's ``longrepr``, which junitxml and the terminal's summary
+insist is a tuple; sections; user properties; the location), so
+:func:`from_guest` turns them back. The guest's pytest may be older than the
+host's (Debian bookworm's 7.2 against 9): its reports have no ``start`` and
+``stop``, which the guest's runner adds from the call; anything else the
+host's pytest expects and an older one does not send keeps the host's
+default. What ``record_xml_attribute`` and ``record_testsuite_property``
+wrote in the guest reaches the host's junit XML through
+:func:`write_junit_records`. When the test's VM died or ran out of
 time, the phases it did not finish get a failed report naming the cause, and
 the phases after it an empty one, so every test still reports setup and
 teardown. The parent's teardown of a module or the session (done once, in
@@ -16,7 +26,7 @@ from __future__ import annotations
 
 import builtins
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import pytest
@@ -27,13 +37,33 @@ SECTION: Final = "forkd isolation"
 
 
 def from_guest(config: pytest.Config, item: pytest.Item, data: dict[str, Any]) -> pytest.TestReport:
-    """A report the guest serialized, read back as the host's item's own."""
+    """A report the guest serialized, read back as the host's item's own (tuples where pytest keeps tuples)."""
+    data = dict(data)
+    if isinstance(data.get("longrepr"), list):  # a skip's (path, lineno, reason)
+        data["longrepr"] = tuple(data["longrepr"])
+    for key in ("sections", "user_properties"):
+        if isinstance(data.get(key), list):
+            data[key] = [tuple(pair) if isinstance(pair, list) else pair for pair in data[key]]
     report = config.hook.pytest_report_from_serializable(config=config, data=data)
     if not isinstance(report, pytest.TestReport):
         raise TypeError(f"the guest sent a {type(report).__name__} where a test report was expected")
     report.nodeid = item.nodeid
     report.location = item.location
     return report
+
+
+def write_junit_records(config: pytest.Config, item: pytest.Item, recorded: Mapping[str, Any]) -> None:
+    """Write what the guest's ``record_xml_attribute`` and ``record_testsuite_property`` recorded into the
+    host's junit XML (nothing without ``--junitxml``, as on the host)."""
+    from pytest_forkd.guest.isolate_pytest import junitxml
+
+    xml = junitxml(config)
+    if xml is None:
+        return
+    for _nodeid, name, value in recorded.get("xml_attributes", ()):
+        xml.node_reporter(item.nodeid).add_attribute(name, value)
+    for name, value in recorded.get("testsuite_properties", ()):
+        xml.add_global_property(name, value)
 
 
 def made_here(

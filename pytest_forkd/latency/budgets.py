@@ -280,17 +280,20 @@ def budgets_from_marker(
 def violation_report(violations: Sequence[Violation]) -> str:
     """What a test that broke its own budgets reports: each operation, its figure and the limit.
 
-    The first line names the first limit exceeded with both figures, e.g.
-    ``forkd_budget exceeded: exec max 31.9 ms > 1 ms (and 1 more)``: it is all
-    that pytest's short summary (``-rf``) and many CI logs show of a failure.
-    The lines below list every limit exceeded.
+    The first line leads with what failed and both figures, e.g.
+    ``exec max 31.9 ms > 1 ms budget (forkd_budget, 1 more)``: it is all
+    that pytest's short summary (``-rf``) and many CI logs show of a failure,
+    and pytest cuts that line to 80 columns when its output is not a terminal
+    (as in CI), so the figures come before the marker's name. The lines below
+    list every limit exceeded.
     """
     first = violations[0]
     backend = f" [{first.budget.backend}]" if first.budget.backend else ""
-    more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+    more = f", {len(violations) - 1} more" if len(violations) > 1 else ""
     lines = [
-        f"forkd_budget exceeded: {first.budget.op}{backend} {first.budget.stat} "
-        f"{_figure_over(first.measured_ms, first.budget.limit_ms)} ms > {_format_ms(first.budget.limit_ms)} ms{more}"
+        f"{first.budget.op}{backend} {first.budget.stat} "
+        f"{_figure_over(first.measured_ms, first.budget.limit_ms)} ms > {_format_ms(first.budget.limit_ms)} ms "
+        f"budget (forkd_budget{more})"
     ]
     for violation in violations:
         budget = violation.budget

@@ -103,6 +103,7 @@ except pytest.
 
 from __future__ import annotations
 
+from pytest_forkd.plugin.e2b import _forkd_e2b_server, forkd_e2b  # noqa: F401 - fixtures pytest finds here
 from pytest_forkd.plugin.fixtures import (
     DANGEROUS_CHECKPOINT,
     OP_FIXTURE_OVERHEAD,

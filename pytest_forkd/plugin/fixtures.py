@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Final
 
 import pytest
 
+from pytest_forkd.errors import ImageError
 from pytest_forkd.plugin.progress import progress_printer
 from pytest_forkd.plugin.state import run_state, worker_id
 
@@ -80,6 +81,51 @@ class TestVMs:
         return list(self._vms)
 
 
+#: The titles that lead the one line of a test whose image cannot be had, most specific error first.
+IMAGE_FAILURE_TITLES: Final = (
+    ("ImageNotPulled", "image not pulled"),
+    ("ImageToolMissing", "a tool images need is missing"),
+    ("UnknownImage", "unknown image"),
+    ("ImageNotFound", "image not found"),
+    ("RegistryAuthRequired", "registry login needed"),
+    ("RegistryUnreachable", "registry unreachable"),
+    ("NoMatchingPlatform", "no linux/amd64 image"),
+    ("DigestMismatch", "image damaged"),
+    ("ImageStoreFull", "no room for the image"),
+    ("HostileLayer", "image refused"),
+    ("LayerError", "unreadable image layer"),
+    ("ImageBuildError", "image build failed"),
+)
+#: Longest a test's line about an image that cannot be had gets (the first test's report has all of it).
+IMAGE_FAILURE_WIDTH: Final = 400
+_REPORTED_IMAGE_FAILURES: Final = pytest.StashKey[set[int]]()
+
+
+def image_failure(config: pytest.Config, forkd: ForkdSession, error: ImageError) -> str:
+    """What a test whose image cannot be had reports: one line, the reason first, then the error's own words.
+
+    pytest's short summary cuts a line at the terminal's width, so it leads
+    with the reason (``image not found: docker://...``) rather than the
+    exception's name. The session asks for the image once (see
+    ``ForkdSession.unavailable``); the first test to fail of it shows the
+    whole message (a build's last lines of output), the others its first line.
+    """
+    names = {type_.__name__ for type_ in type(error).__mro__}
+    title = next((title for name, title in IMAGE_FAILURE_TITLES if name in names), "image unavailable")
+    text = str(error).strip()
+    reference = forkd.settings.image
+    if reference and reference not in text:
+        text += f" (--forkd-image {reference})"
+    reported = config.stash.setdefault(_REPORTED_IMAGE_FAILURES, set())
+    first_line, _, rest = text.partition("\n")
+    if id(error) not in reported:
+        reported.add(id(error))
+        return f"{title}: {text}"
+    if len(first_line) > IMAGE_FAILURE_WIDTH:
+        first_line = first_line[: IMAGE_FAILURE_WIDTH - 3] + "..."
+    return f"{title}: {first_line}" + (" (the first test's error shows the rest)" if rest else "")
+
+
 def choice_of(item: pytest.Item, settings: Settings) -> VMChoice:
     """The test's VM choice: its validated ``forkd`` marker, else the run's settings."""
     from pytest_forkd.project.settings import VMChoice
@@ -96,9 +142,13 @@ def forkd(pytestconfig: pytest.Config) -> Iterator[ForkdSession]:
 
 
 @pytest.fixture(scope="session")
-def forkd_parent(forkd: ForkdSession) -> VM:
+def forkd_parent(forkd: ForkdSession, pytestconfig: pytest.Config) -> VM:
     """The warm parent VM of this session (of this xdist worker); children fork from its state."""
-    return forkd.parent
+    try:
+        return forkd.parent
+    except ImageError as exc:
+        message = image_failure(pytestconfig, forkd, exc)
+    pytest.fail(message, pytrace=False)
 
 
 @pytest.fixture
@@ -119,7 +169,14 @@ def forkd_vm(forkd: ForkdSession, request: pytest.FixtureRequest, _forkd_test_vm
     choice = choice_of(item, forkd.settings)
     session_seconds = forkd.build_seconds + forkd.prefill_seconds  # session costs, not this test's
     started = time.perf_counter()
-    vm = forkd.child(choice)
+    try:
+        vm = forkd.child(choice)
+    except ImageError as exc:  # failed outside the except block, so no chained traceback follows the one line
+        message: str | None = image_failure(request.config, forkd, exc)
+    else:
+        message = None
+    if message is not None:
+        pytest.fail(message, pytrace=False)
     factory = forkd.factory
     vm.default_backend = _forkd_test_vms.backend = choice.backend  # the test's VMs, not the shared factory
     item.stash[TEST_VM] = vm

@@ -37,7 +37,7 @@ TEST_OUTCOME: Final = pytest.StashKey[str]()
 
 # -- the header -----------------------------------------------------------------------------------------------
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Engine, accelerator (with the cached verdict), backend and snapshot; probes nothing.
+    """Engine, accelerator (with the cached verdict), backend and snapshot (or container image); probes nothing.
 
     A run that sets nothing of forkd's gets one line instead: looking up the
     engine would cost every such run, and its tests may never ask for a VM.
@@ -74,9 +74,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         from pytest_forkd.storage.namespaces import project_id
 
         store += f", project snapshots under {project_id(project.root)}"
+    # Under --forkd-image the session starts from a snapshot of that image (named after it): name the image.
+    start = f"image {settings.describe('image')}" if settings.image else f"snapshot {settings.describe('snapshot')}"
     return [
         f"forkd: engine {engine}, accel {accel}",
-        f"forkd: snapshot {settings.describe('snapshot')}, backend {settings.describe('backend')}, "
+        f"forkd: {start}, backend {settings.describe('backend')}, "
         f"pool {settings.pool}, store {store}" + (f", config {settings.config}" if settings.config else ""),
     ]
 

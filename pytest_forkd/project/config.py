@@ -67,7 +67,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import yaml
 
@@ -80,6 +80,9 @@ from pytest_forkd.paths import BASE_SNAPSHOT as BASE_SNAPSHOT  # re-exported: th
 from pytest_forkd.paths import PROJECT_FILE as PROJECT_FILE
 from pytest_forkd.paths import TAG_PATTERN
 from pytest_forkd.sizes import parse_byte_size
+
+if TYPE_CHECKING:
+    from pytest_forkd.core.vm import VM
 
 IMAGE_PREFIX: Final = "image:"
 _T = TypeVar("_T")
@@ -119,6 +122,23 @@ class FileCopy:
     """Glob patterns left out of a directory (see :mod:`pytest_forkd.core.copy`)."""
 
 
+class MainProcess(Protocol):
+    """A process a snapshot starts last and leaves running, so every VM restored from it has it running.
+
+    How a compose service's main process (a server the agent must reach)
+    starts once, in the parent, instead of in every sample. Hashable, as the
+    recipe is; the harness that declares it implements it.
+    """
+
+    def describe(self) -> Mapping[str, object]:
+        """What it runs, as plain JSON: part of the recipe's hash, so a change rebuilds the snapshot."""
+        ...
+
+    def start(self, vm: VM, progress: Callable[[str], None]) -> None:
+        """Start it in ``vm`` and return once it is ready; SnapshotError (naming its output) if it is not."""
+        ...
+
+
 @dataclass(frozen=True)
 class SnapshotRecipe:
     """How to build one named snapshot: start from ``source``, then add files, env and setup."""
@@ -138,6 +158,8 @@ class SnapshotRecipe:
     """One snapshot under this name for every project, instead of one per project."""
     network: NetworkSpec | None = None
     """None: the network of ``source`` (none when booting an image)."""
+    main_process: MainProcess | None = None
+    """Started after the setup and left running in the snapshot (not read from forkd.yaml: harnesses set it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))

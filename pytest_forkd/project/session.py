@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytest_forkd.core.runtime import Runtime
-from pytest_forkd.errors import VMError
+from pytest_forkd.errors import ImageError, VMError
 from pytest_forkd.latency.timings import Recorder
 from pytest_forkd.project.config import Project
 from pytest_forkd.project.settings import Settings, VMChoice
@@ -100,6 +100,11 @@ class ForkdSession:
         """Each prefill: the snapshot, how many children were made ready, and how long it took."""
         self.build_seconds = 0.0
         """Time spent building or looking up named snapshots; not part of any test's fixture overhead."""
+        self.unavailable: dict[str, ImageError] = {}
+        """Snapshots whose image could not be had (not in the registry, a failed build...), with the error.
+
+        Asked for again in this session, such a snapshot fails at once with the same error: the registry
+        is asked, or the build tried, once per session, not once per test."""
 
     @classmethod
     def open(
@@ -217,12 +222,19 @@ class ForkdSession:
         """Named snapshot ``name`` (``base`` or declared in forkd.yaml), built on first use.
 
         Its work is not attributed to the running test: building is a
-        session cost, reported once in the terminal summary.
+        session cost, reported once in the terminal summary. An image that
+        cannot be had (ImageError) is tried once: see :attr:`unavailable`.
         """
+        failed = self.unavailable.get(name)
+        if failed is not None:
+            raise failed.with_traceback(None)
         started = time.perf_counter()
         try:
             with self.timings.running_test(None):
                 return self.builder.get(name, memory_mib=memory_mib)
+        except ImageError as exc:
+            self.unavailable[name] = exc
+            raise
         finally:
             self.build_seconds += time.perf_counter() - started
 

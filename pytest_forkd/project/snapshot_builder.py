@@ -269,6 +269,8 @@ class SnapshotBuilder:
                 description["image_setup"] = list(declared.setup)
         if recipe.workdir is not None:  # only when set: existing snapshots keep their hashes
             description["workdir"] = recipe.workdir
+        if recipe.main_process is not None:
+            description["main_process"] = dict(recipe.main_process.describe())
         digest = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:24]
         self._hashes[plan.tag] = digest
         return digest
@@ -400,6 +402,9 @@ class SnapshotBuilder:
             vm.env = {**vm.env, **recipe.env}
             env = dict(vm.env)
             self._provision(vm, plan, env, clock)
+            if recipe.main_process is not None:  # last, so that it runs in every VM of the snapshot
+                with clock.step("starting the main process"):
+                    recipe.main_process.start(vm, self.progress)
             with clock.step("saving the snapshot"):
                 if parent is None:
                     staged = branching.freeze(vm, staging_tag, store=staging, keep_running=False, replace=True)

@@ -13,3 +13,8 @@ import: the foundation (errors, paths, private, processes, sizes, tables,
 version, waiting), guest, image and engine. Never latency, core, project, aio,
 plugin or cli (checked by tests/unit/test_layers.py).
 """
+
+from pytest_forkd.moved import alias
+
+# zstd streams are the foundation's now (one implementation for archives, image layers and the kernel).
+alias({"pytest_forkd.storage.zstdio": "pytest_forkd.zstdio"})

@@ -26,13 +26,9 @@ from __future__ import annotations
 import builtins
 import errno
 import functools
-import hashlib
 import logging
 import os
-import secrets
 import shutil
-import socket
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -50,25 +46,22 @@ from pytest_forkd.errors import (
     SnapshotError,
     UnknownSnapshot,
 )
+from pytest_forkd.filesystems import Remedy, unwritable_text
 from pytest_forkd.paths import validate_tag
-from pytest_forkd.storage import integrity
-from pytest_forkd.storage.snapshot import SNAPSHOT_FILE, Snapshot, process_is_alive, this_host, writer_is_alive
+from pytest_forkd.storage import integrity, leftovers
+from pytest_forkd.storage.leftovers import DEFAULT_STALE_AGE_S as DEFAULT_STALE_AGE_S  # where archives find it
+from pytest_forkd.storage.snapshot import SNAPSHOT_FILE, Snapshot, this_host, writer_is_alive
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_TEMP_PREFIX = ".tmp-"
-_TRASH_PREFIX = ".trash-"
 _LOCKS_DIR = ".locks"
-
-# A temporary directory older than this is removed even if a process with its
-# writer's pid exists: no write takes that long, so the pid has been reused (or
-# the writer ran on another host sharing the store).
-DEFAULT_STALE_AGE_S = 6 * 3600.0
-
-# Temporary and trash names end in this host's token: a store shared between hosts (NFS,
-# a CI cache) must not take another host's live writer for a dead local pid.
-_HOST_TOKEN = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+#: What to do when the store's filesystem is full or read-only.
+_REMEDY = Remedy(
+    room=space.STORE_HINT,
+    elsewhere="build or import it where the store is writable, or point --forkd-store (or FORKD_STORE, or "
+    "--store) at a writable directory",
+)
 
 # Fields complete() and attach_memory() set themselves.
 _COMPLETION_FIELDS = frozenset(
@@ -604,25 +597,9 @@ class SnapshotStore:
         A directory goes when the process that created it (its pid is in the
         name) is gone, or when it is older than ``max_age_s`` whatever the pid
         (and only then if its name carries no pid). Called at session start.
+        See :mod:`pytest_forkd.storage.leftovers`.
         """
-        if not self.root.is_dir():
-            return []
-        removed = []
-        now = time.time()
-        for entry in os.scandir(self.root):
-            if not entry.name.startswith((_TEMP_PREFIX, _TRASH_PREFIX)) or not entry.is_dir(follow_symlinks=False):
-                continue
-            pid = _writer_pid(entry.name)
-            try:
-                age = now - entry.stat(follow_symlinks=False).st_mtime
-            except FileNotFoundError:  # its writer just published or removed it
-                continue
-            writer_may_be_alive = pid is None or not _made_on_this_host(entry.name) or process_is_alive(pid)
-            if writer_may_be_alive and age <= max_age_s:
-                continue
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(Path(entry.path))
-        return removed
+        return leftovers.remove_stale(self.root, max_age_s)
 
     # -- internals -------------------------------------------------------
 
@@ -673,14 +650,14 @@ class SnapshotStore:
                     f"than the store {self.root}; write it into SnapshotStore.scratch_dir() instead"
                 ) from None
             raise
-        if source.parent.parent == self.root and source.parent.name.startswith(_TEMP_PREFIX):
+        if source.parent.parent == self.root and source.parent.name.startswith(leftovers.TEMP_PREFIX):
             try:
                 source.parent.rmdir()
             except OSError:  # the writer left other files there; clean_stale_temp will get them
                 pass
 
     def _make_temp_dir(self, tag: str) -> Path:
-        directory = self.root / f"{_TEMP_PREFIX}{tag}-{os.getpid()}-{_HOST_TOKEN}{secrets.token_hex(4)}"
+        directory = self.root / leftovers.temp_name(tag)
         try:
             private.make_dir(self.root)
             directory.mkdir(mode=private.DIR_MODE)
@@ -689,8 +666,9 @@ class SnapshotStore:
         return directory
 
     def _unwritable(self, exc: OSError) -> SnapshotError:
-        if space.is_no_space(exc):
-            return SnapshotError(space.no_space_text(exc, self.root, "writing into the snapshot store"))
+        unwritable = unwritable_text(exc, self.root, "writing into the snapshot store", _REMEDY)
+        if unwritable is not None:
+            return SnapshotError(unwritable)
         return SnapshotError(
             f"cannot write into the snapshot store {self.root}: {exc.strerror or exc}"
             + (f" ({exc.filename})" if exc.filename else "")
@@ -698,7 +676,7 @@ class SnapshotStore:
         )
 
     def _move_to_trash(self, tag: str) -> Path:
-        trash = self.root / f"{_TRASH_PREFIX}{tag}-{os.getpid()}-{_HOST_TOKEN}{secrets.token_hex(4)}"
+        trash = self.root / leftovers.trash_name(tag)
         os.rename(self.root / tag, trash)
         return trash
 
@@ -759,20 +737,6 @@ def _relation(snapshot: Snapshot, tag: str) -> str:
     if snapshot.parent == tag:
         return "descends from it"
     return f"diff against {snapshot.base}, which depends on it"
-
-
-def _writer_pid(directory_name: str) -> int | None:
-    """The pid in a ``.tmp-<tag>-<pid>-<random>`` or ``.trash-...`` name, if it parses."""
-    parts = directory_name.rsplit("-", 2)
-    if len(parts) == 3 and parts[1].isdigit():
-        return int(parts[1])
-    return None
-
-
-def _made_on_this_host(directory_name: str) -> bool:
-    """Whether a temporary or trash directory was made on this host (names without a host token count as local)."""
-    suffix = directory_name.rsplit("-", 1)[-1]
-    return len(suffix) != len(_HOST_TOKEN) + 8 or suffix.startswith(_HOST_TOKEN)
 
 
 def _keep_private(directory: Path) -> None:

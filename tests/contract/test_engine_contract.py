@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from engine_support import home, read
+from engine_support import home, qemu_checked_by, read
 
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.core.vm import VM
@@ -76,6 +76,10 @@ def test_the_agent_channel_speaks_the_wire_protocol(vm: VM) -> None:
     assert vm.exec(["stat", "-c", "%a", path]).stdout.strip() == "640"
 
 
+@qemu_checked_by(
+    "tests/integration/test_vm_faults.py::test_killed_qemu_is_reported_on_next_use_and_its_sibling_still_works",
+    "tests/integration/test_vm_faults.py::test_guest_dying_mid_command_raises_guest_crashed_with_the_console_tail",
+)
 def test_a_guest_that_dies_is_reported_with_its_console(factory: VMFactory, base: Snapshot) -> None:
     (child,) = base.fork()
     try:
@@ -92,6 +96,10 @@ def test_a_guest_that_dies_is_reported_with_its_console(factory: VMFactory, base
 
 
 # -- forks, branches, restores -------------------------------------------------------------------
+@qemu_checked_by(
+    "tests/integration/test_snapshots.py::test_children_of_a_branch_are_isolated_from_each_other_and_the_source",
+    "tests/integration/test_snapshots.py::test_forks_requested_from_several_threads_at_once_all_succeed",
+)
 def test_children_start_from_the_snapshot_and_are_isolated(base: Snapshot) -> None:
     first, second = base.fork(2)
     try:
@@ -140,6 +148,7 @@ def test_snapshot_memory_never_changes_while_children_write(factory: VMFactory, 
     assert digest(base.memory_path) == before
 
 
+@qemu_checked_by("tests/integration/test_snapshots.py::test_restore_in_place_keeps_the_handle_and_rewinds_the_guest")
 def test_restore_rewinds_the_guest_in_place(vm: VM) -> None:
     vm.exec(["sh", "-c", "echo before > state"])
     snapshot = vm.branch()
@@ -150,6 +159,10 @@ def test_restore_rewinds_the_guest_in_place(vm: VM) -> None:
     assert read(vm, "state") == "before\n" and read(vm, "extra") == "<missing>\n"
 
 
+@qemu_checked_by(
+    "tests/integration/test_snapshots.py::test_checkpoint_rolls_back_on_exit_even_after_an_error",
+    "tests/integration/test_snapshots.py::test_checkpoint_keep_keeps_the_changes",
+)
 def test_a_checkpoint_rolls_back_unless_kept(vm: VM) -> None:
     vm.exec(["sh", "-c", "echo safe > data"])
     with vm.checkpoint() as checkpoint:
@@ -166,6 +179,7 @@ def test_a_checkpoint_rolls_back_unless_kept(vm: VM) -> None:
         alternative.close()
 
 
+@qemu_checked_by("tests/integration/test_snapshots.py::test_frozen_root_vm_continues_as_a_child_of_its_snapshot")
 def test_a_frozen_root_vm_goes_on_as_a_child_of_its_snapshot(factory: VMFactory, memory_mib: int) -> None:
     root = factory.boot(memory_mib=memory_mib)
     try:
@@ -202,6 +216,9 @@ def test_the_live_backend_needs_the_live_snapshot_capability(factory: VMFactory,
 
 
 # -- pools and stores ---------------------------------------------------------------------------------
+@qemu_checked_by(
+    "tests/integration/test_snapshots.py::test_pool_hands_out_prerestored_children_and_drop_kills_the_rest"
+)
 def test_a_pool_hands_out_prerestored_children(factory: VMFactory, base: Snapshot) -> None:
     pool = factory.pool(base, 1)
     try:

@@ -50,7 +50,7 @@ def test_bench_prints_every_figure_as_json(tmp_path: Path) -> None:
         "--parallel",
         "3",
         "--parts",
-        "core",
+        "core,speed",
         "--json",
         str(out),
     )
@@ -87,42 +87,17 @@ def test_bench_prints_every_figure_as_json(tmp_path: Path) -> None:
     tree = printed["changes_tree"]
     assert tree["files"] == 20000 and tree["paths"] > 20000
     assert (tree["added"], tree["modified"], tree["deleted"]) == (100, 150, 100)
-    assert printed["conditions"]["accel"] in ("kvm", "tcg")
+    assert printed["conditions"]["accel"] in ("kvm", "tcg") and printed["conditions"]["parts"] == ["core", "speed"]
     assert printed["conditions"]["free_page_reporting"] is memory.free_page_reporting()
+    # The speed part: guest Python against the host's, on children of the parts' own base.
+    assert printed["guest_python_slowdown"] > 0
+    assert_figure(printed["guest_python_s"], 3)
     rows = {(row["backend"], row["memory_mib"], row["dirty_mib"]): row for row in printed["branch"]}
     assert set(rows) == {("full", 256, 0), ("full", 256, 8), ("diff", 256, 0), ("diff", 256, 8)}
     for row in rows.values():
         assert_figure(row["pause_ms"], 2)
         assert_figure(row["total_ms"], 2)
         assert row["pause_ms"]["min"] <= row["total_ms"]["max"]
-
-
-def test_bench_parts_report_pauses_memory_and_guest_speed(tmp_path: Path) -> None:
-    """The uffd, diff, memory and speed parts alone; each figure is there and self-consistent."""
-    result = run_forkd(
-        "bench", "--memory", "256", "--parts", "uffd,diff,memory,speed", "--diff-branches", "10", "--repeats", "2"
-    )
-    assert result.returncode == 0, result.stderr
-    printed = json.loads(result.stdout)
-    assert "cold_boot_ms" not in printed and printed["conditions"]["parts"] == ["uffd", "diff", "memory", "speed"]
-    assert_figure(printed["diff_pause_ms"], 10)
-    assert printed["diff_pause_p50_ms"] == printed["diff_pause_ms"]["p50"]
-    series = printed["diff_pause_series_ms"]
-    assert len(series) == 10 and printed["diff_pause_10th_over_2nd"] == pytest.approx(series[9] / series[1], rel=0.01)
-    assert printed["diff_pause_10th_over_2nd_runs"] == [printed["diff_pause_10th_over_2nd"]]  # one run of ten
-    assert printed["diff_pause_max_over_p50"] >= 1 and printed["diff_pause_outliers"] >= 0
-    assert printed["child_pss_mib"] > 0 and printed["parent_pss_mib"] > 0
-    assert {"guest_ram", "tcg_code", "qemu_heap", "binaries"} <= set(printed["child_pss_parts_mib"])
-    assert printed["memory_conditions"]["guest_mib"] == 256
-    assert printed["guest_python_slowdown"] > 0
-    assert_figure(printed["guest_python_s"], 3)
-    if unavailable("uffd") is None:
-        assert set(printed["uffd_pause_ms"]) == {"256"} and printed["uffd_pause_ms"]["256"] > 0
-        assert "uffd_growth_ratio" not in printed  # one memory size: nothing to compare
-        assert printed["uffd_pause_figures"]["256"]["n"] >= 15
-        assert printed["uffd_method"] == ("precopy" if memory.pagemap_scan_problem() is None else "live_snapshot")
-    else:
-        assert "skipping uffd pause" in result.stderr
 
 
 def test_bench_images_part_compares_children_of_container_images() -> None:
@@ -138,6 +113,28 @@ def test_bench_images_part_compares_children_of_container_images() -> None:
     assert printed["image_busybox_over_default_cpu_to_first_true"] > 0
     assert printed["image_large_contents_match"] is True
     assert printed["image_conditions"]["large_image_mib"] == 64 and printed["conditions"]["parts"] == ["images"]
+
+
+def test_bench_e2b_part_times_the_sdk_against_forkd_own_calls() -> None:
+    """E2B's Python SDK through forkd's E2B server, each figure beside forkd's own call; pause frees the VM."""
+    from pytest_forkd.cli.bench.e2b import missing_sdk
+
+    if missing_sdk() is not None:
+        pytest.skip(missing_sdk())
+    result = run_forkd("bench", "--parts", "e2b", "--repeats", "3")
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    figures = printed["e2b"]
+    for name in ("create_first_command_ms", "fork_first_exec_ms", "fork10_ms", "vm_fork10_ms", "pause_ms", "resume_ms"):
+        assert_figure(figures[name], 3)
+    assert_figure(figures["paused_store_mib"], 3)  # the paused sandbox's own snapshot, on disk
+    for name in ("command_ms", "exec_ms", "bash_login_exec_ms"):
+        assert_figure(figures[name], 12)
+    ratio = figures["command_ms"]["p50"] / figures["exec_ms"]["p50"]
+    assert printed["e2b_ratios"]["command_over_exec"] == pytest.approx(ratio, abs=0.01)
+    assert set(printed["e2b_targets"]) == set(printed["e2b_ratios"])
+    assert printed["e2b_pause"]["qemu_process_left_after_pause"] is False
+    assert printed["conditions"]["parts"] == ["e2b"]
 
 
 def test_bench_refuses_unknown_parts_before_starting_anything() -> None:
@@ -177,10 +174,14 @@ def test_bench_report_quick_writes_json_and_markdown_with_cpu_per_child(tmp_path
     assert_figure(report["fork_ms"], 3)
     assert_figure(report["fork_pooled_ms"], 3)
     assert report["fork10_parallel_speedup"] > 0
+    # QEMU CPU per child by phase (the cpu part's measurement: `--parts cpu` runs the same one, see
+    # tests/unit/test_bench_parts.py for which part runs what).
     cpu = report["cpu_per_child_ms"]
-    for name in ("qemu_start", "device_state", "first_reply", "first_command", "teardown", "to_first_true"):
+    for name in ("qemu_start", "device_state", "first_reply", "first_command", "warm_command", "teardown"):
         assert cpu[name]["n"] == 12 and cpu[name]["min"] >= 0, name
+    assert cpu["to_first_true"]["n"] == 12 and report["cpu_per_child_conditions"]["children"] == 12
     assert cpu["qemu_start"]["min"] > 0 and cpu["first_reply"]["min"] > 0
+    assert cpu["qemu_start"]["mean"] + cpu["first_reply"]["mean"] < cpu["to_first_true"]["mean"]
     parts = sum(cpu[name]["mean"] for name in ("qemu_start", "memory", "device_state", "first_reply", "forwards"))
     assert cpu["to_first_true"]["mean"] == pytest.approx(parts + cpu["first_command"]["mean"], rel=0.01)
     assert set(report["restore_phases_ms"]["cpu_ms"]) >= {"qemu_start_ms", "device_state_ms", "first_reply_ms"}
@@ -190,22 +191,24 @@ def test_bench_report_quick_writes_json_and_markdown_with_cpu_per_child(tmp_path
         assert "tcg_translation" not in report
     tax = report["first_command_tax"]
     assert tax["first_ms"]["n"] == 2 and tax["warm_ms"]["n"] == 2
+    assert tax["command"] == "python3 -c 'import json, subprocess'"
+    # Successive diff branches (the diff part's measurement), each figure self-consistent.
     assert_figure(report["diff_pause_ms"], 10)
-    assert report["child_pss_mib"] > 0
+    assert report["diff_pause_p50_ms"] == report["diff_pause_ms"]["p50"]
+    series = report["diff_pause_series_ms"]
+    assert len(series) == 10 and report["diff_pause_10th_over_2nd"] == pytest.approx(series[9] / series[1], rel=0.01)
+    assert report["diff_pause_10th_over_2nd_runs"] == [report["diff_pause_10th_over_2nd"]]  # one run of ten
+    assert report["diff_pause_max_over_p50"] >= 1 and report["diff_pause_outliers"] >= 0
+    # PSS of idle children and a parent (the memory part's).
+    assert report["child_pss_mib"] > 0 and report["parent_pss_mib"] > 0
+    assert {"guest_ram", "tcg_code", "qemu_heap", "binaries"} <= set(report["child_pss_parts_mib"])
+    assert report["memory_conditions"]["guest_mib"] == 256
+    # Live (uffd) branch pauses against memory size (the uffd part's), or the reason they are missing.
     if unavailable("uffd") is None:
         assert set(report["uffd_pause_figures"]) == {"256", "1024"} and report["uffd_growth_ratio"] > 0
+        assert all(report["uffd_pause_figures"][size]["n"] >= 5 for size in ("256", "1024"))
+        assert report["uffd_method"] == ("precopy" if memory.pagemap_scan_problem() is None else "live_snapshot")
+    else:
+        assert "uffd_pause_figures" not in report and "skipping uffd pause" in result.stderr
     for heading in ("## Forks", "## CPU per child", "## Branch pauses", "## Memory"):
         assert heading in markdown
-
-
-def test_bench_cpu_part_reports_qemu_cpu_per_child_by_phase() -> None:
-    result = run_forkd("bench", "--memory", "256", "--parts", "cpu", "--repeats", "2")
-    assert result.returncode == 0, result.stderr
-    printed = json.loads(result.stdout)
-    assert printed["conditions"]["parts"] == ["cpu"] and "fork_ms" not in printed
-    cpu = printed["cpu_per_child_ms"]
-    assert cpu["to_first_true"]["n"] == 12
-    assert cpu["qemu_start"]["mean"] + cpu["first_reply"]["mean"] < cpu["to_first_true"]["mean"]
-    assert cpu["warm_command"]["n"] == 12 and cpu["teardown"]["n"] == 12
-    assert printed["cpu_per_child_conditions"]["children"] == 12
-    assert printed["first_command_tax"]["command"] == "python3 -c 'import json, subprocess'"

@@ -21,7 +21,8 @@ from typing import Iterator
 
 import pytest
 
-from pytest_forkd.archives import archive, branching
+from pytest_forkd.archives import archive
+from pytest_forkd.core import branching
 from pytest_forkd.core.factory import VMFactory
 from pytest_forkd.engine import rundir, space
 from pytest_forkd.errors import ArchiveError, GuestCrashed, HostNotReady, SnapshotError

@@ -19,7 +19,9 @@ from oci_images import BUSYBOX_FACTS, push, write_busybox_image
 from registry import Registry
 
 from pytest_forkd.core.factory import VMFactory
+from pytest_forkd.core.vm import VM
 from pytest_forkd.errors import AgentError, ImageError
+from pytest_forkd.guest.client import GuestOSError
 from pytest_forkd.image import ensure_container_image
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore
@@ -148,3 +150,108 @@ def test_bad_references_fail_in_one_line_and_a_good_pull_works_afterwards(busybo
     assert malformed.returncode == 4 and "Traceback" not in malformed.stderr
     good = forkd("exec", "--image", busybox_image, "--", "sh", "-c", shlex.quote("true") + " && echo ok")
     assert good.returncode == 0 and good.stdout == "ok\n", good.stderr
+
+
+def test_forkd_exec_reads_a_bare_reference_as_forkd_image_does_and_names_an_unknown_transport(
+    busybox_image: str,
+) -> None:
+    bare = busybox_image.removeprefix("docker://")  # 127.0.0.1:PORT/forkd-tests/busybox:1
+    result = forkd("exec", "--image", bare, "--", "cat", "/etc/motd")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "layer 3 replaced this\n"
+    typo = forkd("exec", "--image", f"dokcer://{bare}", "--", "true")
+    assert typo.returncode == 4 and "Traceback" not in typo.stderr
+    assert "unknown transport 'dokcer'" in typo.stderr and "docker://, oci:, oci-archive:" in typo.stderr
+
+
+# -- an image that points its names out of its root, carries a device node and runs as a user -----------------
+
+#: The image's traps for /init: absolute symlinks where init writes or mounts, a device node anyone may open.
+GUARDED_LINKS = {
+    "etc/resolv.conf": "/run/systemd/resolve/stub-resolv.conf",  # as systemd images have it
+    "tmp": "/opt/forkd",  # followed from outside the root, init's chmod would open forkd's own agent folder
+    "proc": "/opt/forkd",  # and a mount would land on it
+}
+
+
+@pytest.fixture(scope="module")
+def guarded_vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VM, Path]]:
+    """One VM (default memory, a network card) of a busybox image with :data:`GUARDED_LINKS` and User app.
+
+    Booted from an ``oci:`` layout, so the image's reference is a path of this host; the layout is yielded too.
+    """
+    from oci_images import LayerTar, busybox_config, busybox_layers, write_layout
+
+    traps = LayerTar().dir("opt/forkd", mode=0o755).dir("opt/devices")
+    traps.device("opt/devices/null", "char", 1, 3, mode=0o666)  # /dev/null's numbers, open to everyone
+    traps.whiteout("tmp")
+    for name, target in GUARDED_LINKS.items():
+        traps.symlink(name, target)
+    layout = tmp_path_factory.mktemp("guarded-image") / "layout"
+    written = write_layout(layout, [*busybox_layers(), (traps, "gzip")], config=busybox_config(user="app"), tag="1")
+    factory = VMFactory()
+    try:
+        yield factory.boot(written.reference, network="host"), layout
+    finally:
+        factory.close()
+
+
+def test_init_keeps_its_writes_and_mounts_inside_an_image_whose_names_are_absolute_symlinks(
+    guarded_vm: tuple[VM, Path],
+) -> None:
+    vm, layout = guarded_vm
+    facts = vm.exec(
+        "stat -c '%F' /etc/resolv.conf /proc; cat /etc/resolv.conf; readlink /tmp; stat -c '%a' /opt/forkd;"
+        " stat -c '%a' /.forkd/opt/forkd; test -e /.forkd/run/systemd && echo escaped; cat /proc/self/comm",
+        user="root",
+    )
+    assert facts.exit_code == 0, facts.stderr
+    lines = facts.stdout.splitlines()
+    assert lines[:5] == [
+        "regular file",  # the image's link replaced, inside its root, with the guest's resolver
+        "directory",  # a mount point of the image root, not the image's link to /opt/forkd
+        "nameserver 10.0.2.3",
+        "/opt/forkd",  # the image's own /tmp link is kept...
+        "1777",  # ...and resolved inside the image root
+    ]
+    assert lines[5] != "1777", "init's chmod reached forkd's runtime (the initramfs) through the image's link"
+    assert lines[6:] == ["cat"]  # procfs mounted on the image's /proc
+    # No path of this host reaches the guest: the oci: layout's folder is nowhere in what init copied (the disk is
+    # shared by digest, so it may come from an earlier run: none of the runs' folders may show).
+    image_json = vm.exec(["cat", "/.forkd/etc/forkd/image.json"], user="root")
+    assert image_json.exit_code == 0, image_json.stderr
+    assert str(layout.parents[2]) not in image_json.stdout, image_json.stdout
+    # The agent's use of image.json stands: the image's User, WorkingDir and Env.
+    who = vm.exec("id -un; pwd; echo $GREETING")
+    assert who.stdout.splitlines() == ["app", BUSYBOX_FACTS["working_dir"], "hello from the image"]
+
+
+def test_a_device_node_of_the_image_opens_for_nobody(guarded_vm: tuple[VM, Path]) -> None:
+    vm, _ = guarded_vm
+    listed = vm.exec("stat -c '%F %a %t:%T' /opt/devices/null")
+    assert listed.stdout == "character special file 666 1:3\n"  # kept in the image as it was
+    for user in ("app", "root"):
+        opened = vm.exec("echo x > /opt/devices/null", user=user)
+        assert opened.exit_code != 0 and "Permission denied" in opened.stderr, (user, opened)
+    assert vm.exec("echo x > /dev/null && echo ok").stdout == "ok\n"  # the kernel's own nodes work
+
+
+def test_a_50_mib_file_written_as_the_images_user_at_the_default_memory(guarded_vm: tuple[VM, Path]) -> None:
+    import hashlib
+    import os
+
+    vm, _ = guarded_vm
+    assert vm.memory_mib == 256
+    data = os.urandom(50 << 20)
+    for _ in range(2):  # written twice: in place, the second write replaces the first without a copy
+        vm.write_file("/home/app/large.bin", data, user="app")
+    described = vm.exec("stat -c '%s %U %G' /home/app/large.bin; sha256sum /home/app/large.bin")
+    assert described.exit_code == 0, described.stderr
+    size_owner, digest = described.stdout.splitlines()
+    assert size_owner == f"{len(data)} app app"
+    assert digest.split()[0] == hashlib.sha256(data).hexdigest()
+    refused = vm.exec("touch /etc/by-app")  # the image's user, not root: /etc is root's
+    assert refused.exit_code != 0
+    with pytest.raises(GuestOSError) as denied:
+        vm.write_file("/etc/by-app", data[: 2 << 20], user="app")
+    assert denied.value.errno == 13 and vm.exec("test -e /etc/by-app", user="root").exit_code == 1

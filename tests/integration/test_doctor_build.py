@@ -42,7 +42,8 @@ def fresh_cache(tmp_path: Path) -> Iterator[dict[str, str]]:
         (cache / "debs").symlink_to(shared_debs)
     run_root = Path(tempfile.mkdtemp(prefix="forkd-itest-doctor-", dir="/dev/shm"))
     env = {**os.environ, "FORKD_CACHE_DIR": str(cache), "FORKD_SHM_DIR": str(run_root)}
-    env.pop("FORKD_DEBUG", None)
+    for name in [name for name in env if name.startswith("PYTEST_FORKD_")] + ["FORKD_DEBUG", "FORKD_STORE"]:
+        env.pop(name, None)
     yield env
     shutil.rmtree(run_root, ignore_errors=True)
 
@@ -68,7 +69,12 @@ def test_doctor_on_an_empty_cache_is_ready_then_build_builds_and_probes(fresh_ca
     assert "[next]" not in built.stdout and "[FAIL]" not in built.stdout
     image_line = next(line for line in built.stdout.splitlines() if line.startswith("[ok  ] image "))
     assert "built now at " + str(Path(fresh_cache["FORKD_CACHE_DIR"]) / "images") in image_line
+    snapshot_line = next(line for line in built.stdout.splitlines() if " snapshot " in line)
+    store = Path(fresh_cache["FORKD_CACHE_DIR"]) / "snapshots"
+    assert snapshot_line.startswith("[ok  ] snapshot ") and f"base stored now in {store}" in snapshot_line
     assert built.stdout.splitlines()[-1] == "ready"
+    listed = forkd("snapshots", "ls", env=fresh_cache)  # what --build said it stored is there, for every run
+    assert listed.returncode == 0 and any(line.split()[:1] == ["base"] for line in listed.stdout.splitlines())
 
     document = json.loads(forkd("doctor", "--json", env=fresh_cache).stdout)
     assert document["ready"] is True and document["first_run"] == []

@@ -165,6 +165,7 @@ def test_children_of_a_branch_are_isolated_from_each_other_and_the_source(vm: VM
 
     assert snapshot.backend == backend
     for child in (first, second):
+        assert child.origin is not None and child.origin.tag == snapshot.tag
         assert child.read_file("/root/before-branch") == b"shared"
         assert child.read_file("/root/marker") == b"from-base\n"
         assert not exists(child, "/root/written-by-source")
@@ -328,12 +329,15 @@ def test_checkpoint_rolls_back_on_exit_even_after_an_error(vm: VM) -> None:
     assert vm.read_file("/root/marker") == b"from-base\n"
 
 
-def test_checkpoint_keep_keeps_the_changes(vm: VM) -> None:
+def test_checkpoint_keep_keeps_the_changes(vm: VM, owned: Owned) -> None:
+    vm.write_file("/root/result", "before")
     with vm.checkpoint() as checkpoint:
         vm.write_file("/root/result", "good")
         checkpoint.keep()
 
     assert vm.read_file("/root/result") == b"good"
+    (alternative,) = owned(checkpoint.fork(1))  # a kept checkpoint still forks the state it was taken at
+    assert alternative.read_file("/root/result") == b"before"
 
 
 def test_checkpoint_forks_alternatives_from_the_checkpoint(vm: VM, owned: Owned) -> None:
@@ -495,6 +499,7 @@ def test_pool_hands_out_prerestored_children_and_drop_kills_the_rest(
         children = owned(factory.fork_snapshot(base_snapshot, 2))
 
         assert set(children) == pooled
+        assert factory.pool(base_snapshot, 2) is pool  # asked again, the snapshot's pool is the one it has
         forks = [sample for sample in recorder.samples() if sample.op == "fork"]
         assert [sample.extra["pooled"] for sample in forks] == [True, True]
         assert all(child.exec("cat /root/marker").stdout == "from-base\n" for child in children)

@@ -11,6 +11,7 @@ import pytest
 from pytest_forkd.errors import ConfigError
 from pytest_forkd.integrations import compose
 from pytest_forkd.integrations.compose import ComposeService, ServiceBuild, load_compose
+from pytest_forkd.integrations.compose_commands import Healthcheck, ServiceProcess
 
 
 def write(tmp_path: Path, text: str, name: str = "compose.yaml") -> Path:
@@ -57,8 +58,9 @@ def test_a_registry_image_with_working_dir_environment_user_and_keys_without_mea
         environment=(("MODE", "evaluated"), ("EMPTY", ""), ("FROM_HOST", "given")),
         user="agent",
         network="outbound",
+        process=ServiceProcess(command=("tail", "-f", "/dev/null"), healthcheck=Healthcheck(("true",), interval_s=5.0)),
     )
-    assert service.ignored == ("command", "healthcheck", "init", "stop_grace_period")
+    assert service.ignored == ("init", "stop_grace_period")
     assert service.env == {"MODE": "evaluated", "EMPTY": "", "FROM_HOST": "given"}
 
 
@@ -170,12 +172,8 @@ def test_resources_and_network_become_the_vms(tmp_path: Path) -> None:
     )
     service = load_compose(path, environ={})
     assert (service.memory_mib, service.vcpus, service.network) == (512, 1, "outbound")
-    assert set(service.ignored) == {
-        "networks",
-        "deploy.replicas",
-        "deploy.resources.limits.pids",
-        "deploy.resources.reservations",
-    }
+    assert set(service.ignored) == {"deploy.replicas", "deploy.resources.reservations"}
+    assert service.unhonoured == ("deploy.resources.limits.pids",)
     assert (
         load_compose(write(tmp_path, "services:\n  default: {image: x, mem_limit: 268435456}\n"), environ={}).memory_mib
         == 256
@@ -199,7 +197,9 @@ def test_resources_and_network_become_the_vms(tmp_path: Path) -> None:
         ("{image: x, platform: linux/arm64}", "forkd runs linux/amd64 images only"),
         ("{command: sleep 1}", "services.default: the service has neither image: nor build:"),
         ("{image: ''}", "services.default.image: expected an image reference"),
-        ("{build: {context: ., target: dev}}", "services.default.build.target: forkd builds with context"),
+        ("{build: {context: ., ssh: [default]}}", "services.default.build.ssh: forkd builds with context"),
+        ("{build: {context: ., target: 'two words'}}", "build.target: expected the name of a build stage"),
+        ("{build: {context: ., platforms: [linux/arm64]}}", "build.platforms: forkd runs linux/amd64 images only"),
         ("{build: no-such-folder}", "services.default.build.context: no such folder"),
         ("{build: ., environment: [=x]}", "environment[0]: expected a variable name"),
         ("{image: '${IMAGE:?name the image in IMAGE}'}", "required variable IMAGE is missing a value: name the image"),
@@ -272,10 +272,22 @@ def test_equal_services_are_one_key_whatever_they_ignored() -> None:
 
 
 def test_keys_without_meaning_are_listed_once_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = write(tmp_path, "services:\n  default: {image: x, init: true, command: sleep 1}\n", name="once-compose.yaml")
+    path = write(
+        tmp_path,
+        "services:\n  default: {image: x, init: true, restart: always, command: sleep 1, read_only: true,"
+        " hostname: box, cap_drop: [ALL]}\n",
+        name="once-compose.yaml",
+    )
     service = load_compose(path, environ={})
     with caplog.at_level(logging.INFO, logger="pytest_forkd.integrations.compose"):
         compose.log_ignored(service)
         compose.log_ignored(load_compose(path, environ={}))
-    lines = [record.getMessage() for record in caplog.records]
-    assert lines == ["forkd: once-compose.yaml: services.default: no meaning for a VM, ignored: command, init"]
+    lines = [(record.levelname, record.getMessage()) for record in caplog.records]
+    assert lines == [
+        ("INFO", "forkd: once-compose.yaml: services.default: no meaning for a VM, ignored: init, restart"),
+        (
+            "WARNING",
+            "forkd: once-compose.yaml: services.default: not honoured (the sample's VM does not get what Docker "
+            "would give): cap_drop, hostname, read_only",
+        ),
+    ]

@@ -24,8 +24,10 @@ from inspect_ai.util import ComposeConfig  # noqa: E402
 from inspect_scripts import offline_tokens, scripted_model  # noqa: E402
 
 from pytest_forkd.errors import ConfigError  # noqa: E402
+from pytest_forkd.integrations import inspect_sandbox  # noqa: E402
 from pytest_forkd.integrations import inspect_support as support  # noqa: E402
 from pytest_forkd.integrations.compose import ServiceBuild  # noqa: E402
+from pytest_forkd.integrations.compose_commands import ServiceProcess  # noqa: E402
 from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
 from pytest_forkd.integrations.sessions import (
     SESSIONS,  # noqa: E402
@@ -64,6 +66,8 @@ def test_a_compose_file_is_read_relative_to_the_task(tmp_path: Path) -> None:
         env=(("MODE", "evaluated"),),
         memory_mib=512,
         network="none",
+        process=ServiceProcess(command=("tail", "-f", "/dev/null")),  # started in the parent VM, as its user
+        process_user="agent",
     )
     assert sample.guest.origin == "compose.yaml: services.default"
     assert sample.guest.snapshot_name().startswith("image-project_2-")
@@ -146,6 +150,72 @@ def test_a_build_forkd_cannot_find_fails_before_anything_boots(tmp_path: Path) -
     (tmp_path / "compose.yaml").write_text("services:\n  default:\n    build: {context: ., dockerfile: Missing}\n")
     with pytest.raises(ConfigError, match="services.default.build.dockerfile: no such Dockerfile"):
         support.image_sample("compose.yaml", base=tmp_path, environ={})
+
+
+def test_a_bare_dockerfile_starts_no_main_process_as_inspects_compose_file_for_it_replaces_its_cmd(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "Dockerfile").write_text('FROM base\nCMD ["python3", "-m", "http.server"]\n')
+    assert support.image_sample("Dockerfile", base=tmp_path, environ={}).guest.process is None
+
+
+@pytest.mark.parametrize(("display", "printed"), [("full", True), ("plain", True), ("none", False)])
+def test_build_progress_reaches_inspects_console_during_task_init(
+    display: str,
+    printed: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Inspect suspends its display around task_init: a build's lines are printed there (not with display none)."""
+    monkeypatch.setattr(inspect_sandbox, "display_type", lambda: display)
+    with caplog.at_level("DEBUG", logger=inspect_sandbox.__name__):
+        inspect_sandbox._progress(announce=True)("podman: STEP 1/3: FROM scratch")
+        inspect_sandbox._progress(announce=False)("during a sample: the log only")
+    out = capsys.readouterr().out
+    assert ("podman: STEP 1/3: FROM scratch" in out) == printed
+    assert "during a sample" not in out
+    logged = [record.getMessage() for record in caplog.records]
+    assert "podman: STEP 1/3: FROM scratch" in logged and "during a sample: the log only" in logged
+
+
+FAILING_PODMAN = """\
+#!/bin/sh
+case "$1" in
+  build) echo "STEP 1/2: FROM scratch"; echo "STEP 2/2: RUN make" ; echo "Error: the build broke" >&2; exit 1;;
+  *) exit 1;;
+esac
+"""
+
+
+def test_task_init_of_a_build_prints_the_builders_lines_for_inspects_console(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The lines reach the console from task_init itself (a failing build: no VM starts)."""
+    import asyncio
+
+    fake = tmp_path / "bin" / "podman"
+    fake.parent.mkdir()
+    fake.write_text(FAILING_PODMAN)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(inspect_sandbox, "display_type", lambda: "full")
+    (tmp_path / "Dockerfile").write_text("FROM scratch\nRUN make\n")
+    (tmp_path / "compose.yaml").write_text("services:\n  default: {build: ., network_mode: none}\n")
+    config = str(tmp_path / "compose.yaml")
+
+    async def init_then_clean_up() -> None:
+        await ForkdSandboxEnvironment.task_init("build", config)
+        await ForkdSandboxEnvironment.task_cleanup("build", config, True)
+
+    asyncio.run(init_then_clean_up())
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"building dockerfile:{tmp_path / 'Dockerfile'} with podman (context {tmp_path}, key "), (
+        out
+    )
+    assert out[1:3] == ["podman: STEP 1/2: FROM scratch", "podman: STEP 2/2: RUN make"], out
+    assert SESSIONS.keys() == []
 
 
 def test_the_sandbox_reads_its_config_files_as_docker_compatible() -> None:

@@ -14,7 +14,7 @@ import asyncio
 import os
 import secrets
 import shutil
-import textwrap
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,52 +133,86 @@ def test_four_samples_two_at_a_time_in_vms_of_a_registry_image(
     assert_nothing_left_under(shm_root)
 
 
-def test_the_same_task_with_a_build_from_that_image_by_podman(
+BUILD_COMPOSE = """\
+services:
+  default:
+    build:
+      context: image
+      dockerfile: eval.Dockerfile
+      args: {{BASE: "{base}", V: "{v}"}}
+    working_dir: /srv/project
+    environment: {{MODE: evaluated}}
+    network_mode: none
+    init: true
+"""
+#: The build's CMD (no compose command replaces it) runs once in the parent VM: every sample sees what it wrote.
+BUILD_DOCKERFILE = """\
+ARG BASE
+FROM ${BASE}
+ARG V
+COPY notes.txt /srv/project/notes.txt
+RUN echo "$V" > /srv/project/v
+ENV BUILT=by-podman
+CMD ["bash", "-c", "echo started-$(cat /srv/project/v) > /tmp/cmd-ran; exec sleep infinity"]
+"""
+
+
+def test_builds_of_one_dockerfile_with_other_arguments_are_other_images_and_run_their_cmd(
     project_image: str, registry: Registry, shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """V=1, then V=2, then V=1 again: each eval sees its own V; the third builds nothing (nor do Inspect's logs)."""
     if shutil.which("podman") is None:
         pytest.skip("needs podman (apt-get install podman)")
+    from pytest_forkd.image.oci.builders import build_tag
+    from pytest_forkd.image.oci.store import read_index
+
     # podman pulls the FROM image over plain HTTP only from a registry it is told is insecure.
     registries = tmp_path / "registries.conf"
     registries.write_text(f'[[registry]]\nlocation = "{registry.host}"\ninsecure = true\n')
     monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries))
     task_dir = tmp_path / "task"
-    (task_dir / "image").mkdir(parents=True)
-    (task_dir / "image" / "eval.Dockerfile").write_text(
-        "ARG BASE\nFROM ${BASE}\nCOPY notes.txt /srv/project/notes.txt\nENV BUILT=by-podman\n"
-    )
-    (task_dir / "image" / "notes.txt").write_text(f"built {secrets.token_hex(4)}\n")
-    (task_dir / "compose.yaml").write_text(
-        textwrap.dedent(
-            f"""\
-            services:
-              default:
-                build:
-                  context: image
-                  dockerfile: eval.Dockerfile
-                  args: {{BASE: "{project_image}"}}
-                working_dir: /srv/project
-                environment: {{MODE: evaluated}}
-                network_mode: none
-                init: true
-                command: tail -f /dev/null
-            """
-        )
-    )
+    context = task_dir / "image"
+    context.mkdir(parents=True)
+    (context / "eval.Dockerfile").write_text(BUILD_DOCKERFILE)
+    (context / "notes.txt").write_text(f"built {secrets.token_hex(4)}\n")
+    (context / ".dockerignore").write_text("logs/\n")
+    logs = context / "logs"  # Inspect's logs land in the build context, as when a task's folder is its context
+    for v in ("1", "2"):
+        (task_dir / f"v{v}-compose.yaml").write_text(BUILD_COMPOSE.format(base=project_image, v=v))
+
     samples = []
     for index in range(4):
         commands = isolation_commands(f"b{index}")
-        samples.append(commands_sample(f"b{index}", [*commands[:5], "cat notes.txt; echo $BUILT", commands[5]]))
-    log = run_eval(samples, ("forkd", str(task_dir / "compose.yaml")), tmp_path / "logs", max_samples=2)
+        samples.append(
+            commands_sample(
+                f"b{index}", [*commands[:5], "cat notes.txt; echo $BUILT", "cat v /tmp/cmd-ran", commands[5]]
+            )
+        )
+    log = run_eval(samples, ("forkd", str(task_dir / "v1-compose.yaml")), logs, max_samples=2)
     assert log.status == "success", log.error
-    notes = (task_dir / "image" / "notes.txt").read_text()
+    notes = (context / "notes.txt").read_text()
     for sample in log.samples:
         assert sample.error is None, sample.error
         outputs = outputs_of(sample)
         assert outputs[:3] == ["/srv/project\n", "evaluated calc 0\n", IMAGE_MARK_TEXT]
         assert outputs[3:5] == ["unclaimed\n", f"{sample.id}\n"]
         assert outputs[5] == notes + "by-podman\n"  # the build's own layer and ENV
-    assert_nothing_left_under(shm_root)
+        assert outputs[6] == "1\nstarted-1\n"  # its argument, and its CMD, run once in the parent
+
+    for v in ("2", "1"):
+        again = run_eval(
+            [commands_sample(f"v{v}", ["cat v /tmp/cmd-ran"])], ("forkd", str(task_dir / f"v{v}-compose.yaml")), logs
+        )
+        assert again.status == "success", again.error
+        assert outputs_of(again.samples[0]) == [f"{v}\nstarted-{v}\n"]
+    builds = [name for name in read_index() if name.startswith(f"dockerfile:{context / 'eval.Dockerfile'}@")]
+    try:
+        assert len(builds) == 2, builds  # V=1 and V=2; Inspect's new logs (ignored) built nothing a third time
+        assert len(list(logs.glob("*.eval"))) == 3
+        assert_nothing_left_under(shm_root)
+    finally:  # the builder's storage is the host's: take out this test's tags and the base it pulled
+        tags = [build_tag(name.rpartition("@sha256:")[2]) for name in builds]
+        subprocess.run(["podman", "rmi", *tags, project_image], capture_output=True, timeout=120)
 
 
 def test_an_image_that_cannot_be_pulled_fails_its_samples_and_the_others_go_on(
@@ -213,10 +247,8 @@ def test_an_image_that_cannot_be_pulled_fails_its_samples_and_the_others_go_on(
 def agent_sample(agent_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkdSandboxEnvironment]:
     task_dir = tmp_path_factory.mktemp("self-check")
     (task_dir / "compose.yaml").write_text(
-        # 512 MiB, as a container gets the host's memory: the suite writes 50 MiB as a non-root user, which
-        # passes through an upload file, both in the guest's memory.
+        # The default guest memory: the suite writes 50 MiB as a non-root user, streamed into the file in place.
         f"services:\n  default:\n    image: {agent_image}\n    network_mode: none\n    init: true\n"
-        "    mem_limit: 512m\n"
     )
     config = str(task_dir / "compose.yaml")
 

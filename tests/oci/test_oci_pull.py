@@ -400,3 +400,76 @@ def test_a_non_root_user_pulls_into_its_own_cache(busybox_image: str, request: p
     layer = Path(answer["layer"])
     assert layer.is_relative_to(home / ".cache" / "pytest-forkd" / "oci")
     assert layer.stat().st_uid == 65534
+
+
+def test_a_tag_is_read_once_and_the_image_copied_by_its_digest(
+    registry: Registry, image_store: Path, tmp_path: Path
+) -> None:
+    """The tag moves between the look at the manifest and the copy: what is stored is all the first image."""
+    reference = registry.reference("moving/once:1")
+    first = small_image(tmp_path / "first", "first")
+    second = small_image(tmp_path / "second", "second")
+    push(first, reference)
+    moved: list[str] = []
+
+    def move_the_tag(line: str) -> None:
+        if not moved and line.startswith(f"pulling {reference}: "):  # the copy is about to start
+            push(second, reference)
+            moved.append(line)
+
+    image = pull_image(reference, progress=move_the_tag)
+    assert moved, "the copy never started"
+    assert image.digest == first.digest and image.source_digest == first.digest
+    assert [layer.digest for layer in image.layers] == list(first.layer_digests)
+    assert pull_image(reference, policy="always").digest == second.digest
+
+
+PULLER = r"""
+import json, os, sys, time
+from pathlib import Path
+from pytest_forkd.image.oci import pull_image
+
+go = Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.005)
+lines = []
+image = pull_image(sys.argv[1], progress=lines.append)
+print(json.dumps({"pid": os.getpid(), "digest": image.digest, "lines": lines}))
+"""
+
+
+def test_two_processes_pulling_one_image_at_once_both_get_it_and_one_waits(
+    registry: Registry, image_store: Path, tmp_path: Path
+) -> None:
+    """As pytest-xdist workers do: one copies under the store lock, the other waits saying for whom, then
+    finds the image in the store and copies nothing."""
+    reference = registry.reference("concurrent/pull:1")
+    written = write_layout(tmp_path / "layout", [(LayerTar().file("big", os.urandom(48 << 20)), "none")], tag="1")
+    push(written, reference)
+    go = tmp_path / "go"
+    pullers = [
+        subprocess.Popen(
+            [sys.executable, "-c", PULLER, reference, str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+        )
+        for _ in range(2)
+    ]
+    go.touch()
+    answers = []
+    for puller in pullers:
+        out, err = puller.communicate(timeout=300)
+        assert puller.returncode == 0, err
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    assert len({answer["digest"] for answer in answers}) == 1  # (skopeo compressed the layer on the push)
+    waiting = [answer for answer in answers if any(line.startswith("waiting for") for line in answer["lines"])]
+    assert len(waiting) == 1, [answer["lines"] for answer in answers]
+    waiter = waiting[0]
+    copier = next(answer for answer in answers if answer is not waiter)
+    assert waiter["lines"][0].startswith(
+        f"waiting for the image store lock held by PID {copier['pid']} (pulling {reference}, for "
+    ), waiter["lines"]
+    assert not any(line.startswith(f"pulling {reference}: ") for line in waiter["lines"])  # it copied nothing
+    assert any(line.startswith(f"pulling {reference}: 1 layers, ") for line in copier["lines"])

@@ -234,3 +234,34 @@ def test_help_groups_the_options_by_purpose(pytester, run_forkd):
             ]
             assert found == [index], (flag, found)
     assert re.search(r"Also\s+ini\s+forkd_snapshot,\s+env\s+PYTEST_FORKD_SNAPSHOT", sections[0])
+
+
+def test_the_header_names_the_image_a_forkd_image_run_starts_from(pytester, run_forkd, tmp_path):
+    pytester.makepyfile(TEST_FILE)
+    result = run_forkd("--forkd-image=127.0.0.1:5055/trial/bb:1", "--collect-only", store=tmp_path)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["forkd: image docker://127.0.0.1:5055/trial/bb:1 (from --forkd-image), backend *"])
+    assert "forkd: snapshot" not in result.stdout.str()
+    plain = run_forkd("--collect-only", store=tmp_path)
+    plain.stdout.fnmatch_lines(["forkd: snapshot base (from default), backend *"])
+
+
+def test_an_image_failure_leads_with_its_reason_and_only_the_first_test_gets_the_builders_lines(pytestconfig):
+    from types import SimpleNamespace
+
+    from pytest_forkd.errors import ImageBuildError, ImageNotFound, RegistryUnreachable
+    from pytest_forkd.plugin.fixtures import image_failure
+
+    session = SimpleNamespace(settings=SimpleNamespace(image="docker://127.0.0.1:5000/app:1"))
+    build = ImageBuildError(
+        "podman build of /src/Dockerfile failed (exit 1); its last lines:\nSTEP 2/2: RUN false\nError"
+    )
+    first = image_failure(pytestconfig, session, build)
+    again = image_failure(pytestconfig, session, build)
+    assert first.startswith("image build failed: podman build of /src/Dockerfile failed") and "RUN false" in first
+    assert "\n" not in again and again.endswith("(the first test's error shows the rest)")
+    missing = ImageNotFound("docker://127.0.0.1:5000/app:1: no such repository or tag in 127.0.0.1:5000")
+    assert image_failure(pytestconfig, session, missing).startswith("image not found: docker://127.0.0.1:5000/app:1:")
+    unnamed = RegistryUnreachable("cannot connect to 127.0.0.1:5000: connection refused")
+    line = image_failure(pytestconfig, session, unnamed)
+    assert line.startswith("registry unreachable: ") and line.endswith("(--forkd-image docker://127.0.0.1:5000/app:1)")

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 from pytest_forkd.errors import ConfigError
+from pytest_forkd.isolate import forwarding
 from pytest_forkd.isolate import plan as isolate_plan
 from pytest_forkd.isolate import reports as isolate_reports
+from pytest_forkd.isolate.imports import project_imports
 from pytest_forkd.isolate.options import DEFAULT_TIMEOUT_S, IsolateSettings, isolated_test, parse_timeout
 
 pytest_plugins = ["pytester"]
@@ -148,14 +150,17 @@ def test_a_test_file_outside_the_copies_is_refused(tmp_path: Path) -> None:
 
 def test_the_guest_gets_the_settings_that_shape_reports_not_the_host_only_ones(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
-        "def pytest_addoption(parser):\n    parser.addoption('--run-slow', action='store_true', default=False)\n"
+        "def pytest_addoption(parser):\n"
+        "    parser.addoption('--run-slow', action='store_true', default=False)\n"
+        "    parser.getgroup('flavours').addoption('--flavour', default='mild')\n"
     )
-    pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
+    pytester.makeini("[pytest]\naddopts = -p no:cacheprovider -p pytester\n")
     config = pytester.parseconfigure(
         "-vv", "--tb=short", "-l", "-x", "-k", "expr", "--junitxml=out.xml", "-o", "xfail_strict=true",
         "-W", "ignore::DeprecationWarning", "--doctest-modules", "-p", "no:randomly", "--run-slow",
+        "--flavour=spicy", "--runxfail", "-p", "xdist", "-n", "2",
     )  # fmt: skip
-    args = isolate_plan.guest_arguments(config, ["/p/test_x.py"])
+    args = forwarding.command_line(config, ["/p/test_x.py"])
     assert args[:2] == ["--rootdir", str(config.rootpath)]
     assert ["-o", "addopts="] == args[4:6]
     for expected in (
@@ -163,24 +168,100 @@ def test_the_guest_gets_the_settings_that_shape_reports_not_the_host_only_ones(p
         ["-W", "ignore::DeprecationWarning"],
         ["-p", "no:randomly"],
         ["-p", "no:terminal"],
+        ["-p", "pytester"],  # from the ini's addopts
     ):
         assert any(args[i : i + 2] == expected for i in range(len(args))), (expected, args)
     assert "--doctest-modules" in args and args[-1] == "/p/test_x.py"
-    assert not {"-x", "-k", "expr", "--junitxml=out.xml"} & set(args)
-    options = isolate_plan.guest_options(config)
-    assert options["verbose"] == 2 and options["tbstyle"] == "short" and options["showlocals"] is True
-    assert options["run_slow"] is True
+    assert not {"-x", "-k", "expr", "--junitxml=out.xml", "xdist"} & set(args)
+    report_options = forwarding.report_options(config)
+    assert report_options["verbose"] == 2 and report_options["tbstyle"] == "short"
+    assert report_options["showlocals"] is True
+    by_name = forwarding.options_by_name(config)
+    # a conftest's options in any group, pytest's own that change how tests run; not the host's loop and reports
+    assert by_name["run_slow"] is True and by_name["flavour"] == "spicy" and by_name["runxfail"] is True
+    assert not {"keyword", "maxfail", "xmlpath", "numprocesses", "verbose", "tbstyle"} & set(by_name), by_name
 
 
-def test_the_plan_runs_pytest_from_the_same_directory_with_pythonpath(pytester: pytest.Pytester) -> None:
+def test_an_option_the_guest_lacks_is_named_with_its_plugin_in_one_line(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("def pytest_addoption(parser):\n    parser.addoption('--flavour', default='mild')\n")
+    config = pytester.parseconfigure("--flavour=spicy", "-p", "pytester", "--runpytest=subprocess")
+    line = forwarding.explain_refused(config, ["flavour", "runpytest"])
+    assert "\n" not in line
+    assert "--flavour=spicy" in line and "conftest.py" in line
+    assert "--runpytest=subprocess (from plugin 'pytester'" in line
+    assert "forkd.yaml" in line
+
+
+def test_the_environment_passes_pytests_own_variables_not_the_hosts(tmp_path: Path) -> None:
+    environ = {
+        "PYTEST_TIMEOUT": "5",
+        "PYTEST_ADDOPTS": "-x",
+        "PYTEST_XDIST_WORKER": "gw0",
+        "PYTEST_FORKD_ISOLATE": "1",
+        "PYTHONPATH": "src",
+        "HOME": "/root",
+    }
+    assert forwarding.environment(environ) == {"PYTEST_TIMEOUT": "5", "PYTHONPATH": "src"}
+
+
+def test_the_plan_puts_the_projects_imports_first_and_names_its_packages(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\n")
     test_file = pytester.makepyfile(test_x="def test_x():\n    pass\n")
     config = pytester.parseconfigure()
     plan = isolate_plan.plan(config, [test_file], configured_paths=(), exclude=(), environ={"PYTHONPATH": "src"})
     assert plan.cwd == str(pytester.path)
-    assert plan.spec["sys_path"] == [str(pytester.path)]
     assert plan.env == {"PYTHONPATH": "src"}
     assert plan.command() == ["python3", isolate_plan.RUNNER_PATH, isolate_plan.SPEC_PATH]
+    assert set(plan.spec) >= {"args", "options", "report_options", "sys_path", "editable", "project_modules"}
+    assert "junit_family" not in plan.spec  # no --junitxml on the host: the record_* fixtures write nowhere
+
+
+def test_the_projects_imports_are_the_hosts_entries_in_the_copied_tree(tmp_path: Path) -> None:
+    """src/ from a .pth file, an editable finder's mapping, the modules imported from the tree; not a venv's."""
+    import types
+
+    project = tmp_path / "project"
+    (project / "src" / "mypkg").mkdir(parents=True)
+    (project / "src" / "mypkg" / "__init__.py").write_text("")
+    (project / "flat.py").write_text("")
+    (project / "tests").mkdir()
+    (project / "tests" / "test_a.py").write_text("")
+    venv = project / ".venv" / "lib" / "site-packages"
+    (venv / "other").mkdir(parents=True)
+    (project / ".venv" / "pyvenv.cfg").write_text("")
+    copies = isolate_plan.copies([project], [])
+    finder_module = types.ModuleType("__editable___flat_0_1_finder")
+    finder_module.MAPPING = {"flat": str(project / "flat.py"), "elsewhere": "/opt/elsewhere"}  # type: ignore[attr-defined]
+
+    class Finder:
+        __module__ = "__editable___flat_0_1_finder"
+
+    def module(name: str, file: Path, package: bool = False) -> types.ModuleType:
+        made = types.ModuleType(name)
+        made.__file__ = str(file)
+        if package:
+            made.__path__ = [str(file.parent)]
+        return made
+
+    modules = {
+        "mypkg": module("mypkg", project / "src" / "mypkg" / "__init__.py", package=True),
+        "mypkg.sub": module("mypkg.sub", project / "src" / "mypkg" / "sub.py"),
+        "test_a": module("test_a", project / "tests" / "test_a.py"),
+        "other": module("other", venv / "other" / "__init__.py", package=True),
+        "json": module("json", Path("/usr/lib/python3.11/json/__init__.py"), package=True),
+        "__editable___flat_0_1_finder": finder_module,
+    }
+    found = project_imports(
+        copies,
+        [project / "tests" / "test_a.py"],
+        path=[str(project / "src"), str(venv), "/usr/lib/python3.11", str(project / "tests")],
+        meta_path=[Finder],
+        modules=modules,
+        cwd=str(project),
+    )
+    assert found.sys_path == (str(project / "src"), str(project / "tests"))
+    assert found.editable == {"flat": str(project / "flat.py")}
+    assert found.modules == {"mypkg": str(project / "src" / "mypkg")}
 
 
 # -- reports -----------------------------------------------------------------------------------
@@ -252,3 +333,16 @@ def test_a_warning_from_the_guest_is_recorded_on_the_host(item: pytest.Item) -> 
     )
     isolate_reports.replay_warning(item.config, item, {"category": "SomeLibraryWarning", "message": "odd"})
     assert recorded == [(DeprecationWarning, "old", item.nodeid), (UserWarning, "odd", item.nodeid)]
+
+
+def test_a_skip_read_back_from_json_keeps_the_tuple_junitxml_asserts(item: pytest.Item) -> None:
+    import json
+
+    skipped = isolate_reports.made_here(item, "call", "skipped")
+    skipped.longrepr = (str(item.path), 3, "Skipped: not here")
+    skipped.user_properties = [("answer", 42)]
+    skipped.sections = [("Captured stdout call", "out")]
+    data = json.loads(json.dumps(item.config.hook.pytest_report_to_serializable(config=item.config, report=skipped)))
+    report = isolate_reports.from_guest(item.config, item, data)
+    assert report.longrepr == (str(item.path), 3, "Skipped: not here")
+    assert report.user_properties == [("answer", 42)] and report.sections == [("Captured stdout call", "out")]

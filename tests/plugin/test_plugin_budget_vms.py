@@ -54,15 +54,15 @@ def test_a_test_that_breaks_its_budget_fails_by_itself(pytester, run_forkd, tmp_
     assert failed == ["test_neighbours.py::test_breaks_its_budget", "test_neighbours.py::test_fixture_budget"]
     summary = {line.split()[1]: line for line in result.outlines if line.startswith("FAILED ")}
     assert re.fullmatch(  # the -rf line names the operation, the figure measured and the limit
-        r"FAILED test_neighbours\.py::test_breaks_its_budget - forkd_budget exceeded: exec max [0-9.]+ ms > 0\.001 ms",
+        r"FAILED test_neighbours\.py::test_breaks_its_budget - exec max [0-9.]+ ms > 0\.001 ms budget \(forkd_budget\)",
         summary["test_neighbours.py::test_breaks_its_budget"],
     )
-    assert summary["test_neighbours.py::test_fixture_budget"].endswith(" ms > 0.001 ms")
-    assert " - forkd_budget exceeded: fork max " in summary["test_neighbours.py::test_fixture_budget"]
+    assert summary["test_neighbours.py::test_fixture_budget"].endswith(" ms > 0.001 ms budget (forkd_budget)")
+    assert " - fork max " in summary["test_neighbours.py::test_fixture_budget"]
     result.stdout.fnmatch_lines(
         [
             "*_ test_breaks_its_budget _*",
-            "forkd_budget exceeded: exec max * ms > 0.001 ms",
+            "exec max * ms > 0.001 ms budget (forkd_budget)",
             "  exec: max * ms > budget 0.001 ms (n=1; exec_ms=0.001, marker on test_neighbours.py::test_breaks_its_budget)",
         ]
     )

@@ -64,14 +64,14 @@ def test_a_broken_budget_fails_only_its_test_naming_operation_and_figure(pyteste
     result.stdout.fnmatch_lines(
         [
             "*_ test_broken_by_its_teardown _*",
-            "forkd_budget exceeded: exec max 7 ms > 6 ms",
+            "exec max 7 ms > 6 ms budget (forkd_budget)",
             "  exec: max 7.000 ms > budget 6 ms (n=2; exec_ms=6, marker on test_budgets.py::test_broken_by_its_teardown)",
         ]
     )
     result.stdout.fnmatch_lines(
         [
             "*_ test_fixture_budget _*",
-            "forkd_budget exceeded: fork max 2.5 ms > 1 ms",
+            "fork max 2.5 ms > 1 ms budget (forkd_budget)",
             "  fork: max 2.500 ms > budget 1 ms (n=1; fork_ms=1, fixture on test_budgets.py::test_fixture_budget)",
         ]
     )
@@ -97,11 +97,11 @@ def test_the_short_summary_names_the_first_limit_exceeded_and_both_figures(pytes
     result.assert_outcomes(failed=1)
     summary = [line for line in result.outlines if line.startswith("FAILED ")]
     assert summary == [
-        "FAILED test_two.py::test_two_limits - forkd_budget exceeded: exec max 31.9 ms > 1 ms (and 1 more)"
+        "FAILED test_two.py::test_two_limits - exec max 31.9 ms > 1 ms budget (forkd_budget, 1 more)"
     ]
     result.stdout.fnmatch_lines(
         [
-            "forkd_budget exceeded: exec max 31.9 ms > 1 ms (and 1 more)",
+            "exec max 31.9 ms > 1 ms budget (forkd_budget, 1 more)",
             "  exec: max 31.940 ms > budget 1 ms *",
             "  fork: max 40.000 ms > budget 2 ms *",
         ]

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pytest_forkd import import_snapshot
+from pytest_forkd import import_snapshot, zstdio
 from pytest_forkd.archives import archive
 from pytest_forkd.cli import main
 from pytest_forkd.engine.qemu.host import Qemu
 from pytest_forkd.engine.qemu.machine import MachineSpec
 from pytest_forkd.errors import ArchiveError, HostNotReady, IncompatibleSnapshot, SnapshotError
-from pytest_forkd.storage import zstdio
 from pytest_forkd.storage.snapshot import Snapshot
 from pytest_forkd.storage.store import SnapshotStore
 

@@ -24,6 +24,7 @@ def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("FORKD_CACHE_DIR", str(cache))
     monkeypatch.setenv("FORKD_SHM_DIR", str(tmp_path / "run"))
     monkeypatch.setattr(doctor_cmd, "_check_qemu", lambda: doctor_cmd.Check("qemu", True, "qemu 8.2.2"))
+    monkeypatch.setattr(doctor_cmd, "_check_builders", list)  # no builder runs here (tests/oci tries them)
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
     return cache
 
@@ -112,3 +113,31 @@ def test_a_damaged_image_name_is_a_failure_not_first_run_work(
 
     assert status == 1
     assert any(line.startswith("[FAIL] image ") and "not valid JSON" in line for line in lines)
+
+
+def test_tcg_is_a_warning_and_a_base_not_stored_yet_is_the_first_run_s_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, empty_cache: Path
+) -> None:
+    from pytest_forkd.core.factory import VMFactory
+    from pytest_forkd.engine.host import AccelVerdict
+
+    image = doctor_cmd.Check("image", True, "default image 0123456789ab at /cache/images/x")
+    monkeypatch.setattr(doctor_cmd, "_check_image", lambda build=False: (image, object()))
+    verdict = AccelVerdict("tcg", "KVM unusable: /dev/kvm is missing; using TCG", "6.1", "7.2.22", 0.0, cached=True)
+    monkeypatch.setattr(VMFactory, "accel_verdict", lambda self, image: verdict)
+
+    status, lines = doctor(capsys)
+
+    assert status == 0, lines
+    accel = next(line for line in lines if " accel " in line)
+    assert accel.startswith("[warn] accel ") and "tcg: KVM unusable" in accel
+    assert "fix: none needed: VMs work under TCG" in lines[lines.index(accel) + 1]
+    snapshot = next(line for line in lines if " snapshot " in line)
+    assert snapshot.startswith("[next] snapshot ") and "base not stored yet" in snapshot
+    assert str(empty_cache / "snapshots") in snapshot  # the store runs and `forkd snapshots ls` use
+    assert lines[-1] == "ready: nothing is wrong; the first run stores snapshot base (forkd doctor --build does it now)"
+
+    status, lines = doctor(capsys, "--json")
+    document = json.loads("\n".join(lines))
+    assert document["ready"] is True and document["accel"] == "tcg"
+    assert document["first_run"] == ["snapshot"]

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from parsed_sources import nodes, parsed
+from parsed_sources import import_nodes, nodes, parsed
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pytest_forkd"
@@ -76,30 +76,14 @@ def sources() -> dict[str, Path]:
     return {module_name(path): path for path in [*PACKAGE.rglob("*.py"), *BACKENDS.rglob("*.py")]}
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:`` (their else branch does run)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-
-
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """The package modules ``name`` imports at run time, at any depth of its code."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _runtime_nodes(parsed(path)):
+    for node, checker_only in import_nodes(path):
         targets: list[str] = []
+        if checker_only:  # under ``if TYPE_CHECKING:``: never runs
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

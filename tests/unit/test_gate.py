@@ -81,7 +81,7 @@ def test_a_budget_on_an_unknown_operation_is_a_forkd_error_naming_the_key(kind):
 def test_the_failure_message_names_the_operation_and_the_figure():
     (budget,) = budgets_from_marker("t.py::test_x", (), {"exec_ms": 0.001})
     message = violation_report([Violation(budget, 3.25, 4)])
-    assert message.splitlines()[0] == "forkd_budget exceeded: exec max 3.25 ms > 0.001 ms"
+    assert message.splitlines()[0] == "exec max 3.25 ms > 0.001 ms budget (forkd_budget)"
     assert "exec: max 3.250 ms > budget 0.001 ms (n=4; exec_ms=0.001, marker on t.py::test_x)" in message
 
 
@@ -90,7 +90,7 @@ def test_the_first_line_names_the_first_limit_exceeded_and_counts_the_others():
     budgets = budgets_from_marker("t.py::test_x", (), {"exec_ms": 1, "fork_ms": 2})
     message = violation_report([Violation(budgets[0], 31.94, 3), Violation(budgets[1], 40.0, 1)])
     lines = message.splitlines()
-    assert lines[0] == "forkd_budget exceeded: exec max 31.9 ms > 1 ms (and 1 more)"
+    assert lines[0] == "exec max 31.9 ms > 1 ms budget (forkd_budget, 1 more)"
     assert [line.split(":")[0].strip() for line in lines[1:]] == ["exec", "fork"]
 
 
@@ -101,13 +101,13 @@ def test_the_first_line_names_the_first_limit_exceeded_and_counts_the_others():
 def test_the_first_line_shows_the_figure_over_its_limit(measured, limit, shown):
     (budget,) = budgets_from_marker("t.py::test_x", (), {"exec_ms": limit})
     first = violation_report([Violation(budget, measured, 1)]).splitlines()[0]
-    assert first == f"forkd_budget exceeded: exec max {shown} ms > {limit:g} ms"
+    assert first == f"exec max {shown} ms > {limit:g} ms budget (forkd_budget)"
 
 
 def test_a_backend_budget_names_its_backend_in_the_first_line():
     budget = Budget("fork", "p95", 10.0, backend="diff", source="forkd.yaml budgets.fork.backends.diff.p95_ms")
     assert violation_report([Violation(budget, 12.0, 5)]).startswith(
-        "forkd_budget exceeded: fork [diff] p95 12 ms > 10 ms\n"
+        "fork [diff] p95 12 ms > 10 ms budget (forkd_budget)\n"
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_forkd.errors import ImageError
+from pytest_forkd.errors import ImageToolMissing
 from pytest_forkd.image.kernel import LZ4_LEGACY_MAGIC, decompress_bzimage, has_pvh_entry, pvh_kernel
 
 XEN_NOTE_NAME = b"Xen\0"
@@ -114,16 +114,27 @@ def test_pvh_kernel_is_written_only_when_qemu_can_boot_it(tmp_path: Path) -> Non
 
 
 @pytest.mark.skipif(shutil.which("zstd") is None, reason="needs the zstd program to make test data")
-def test_zstd_is_undone_without_the_zstd_program(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_zstd_is_undone_by_the_one_zstd_of_forkd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel and its modules go through pytest_forkd.zstdio: the zstd tool, else the zstandard module."""
+    from pytest_forkd import zstdio
     from pytest_forkd.image import kernel
 
     data = b"a kernel payload " * 4096
     piped = subprocess.run(["sh", "-c", "cat | zstd -q"], input=data, capture_output=True, check=True).stdout
-    if kernel._libzstd() is None:
-        pytest.skip("no libzstd on this host")
-    monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
-    # A frame written from a pipe records no size: the kernel's trailer gives it.
-    assert kernel.zstd_decompress(piped, "the kernel", len(data)) == data
-    monkeypatch.setattr(kernel, "_libzstd", lambda: None)
-    with pytest.raises(ImageError, match="neither libzstd nor the zstd program is installed; install zstd"):
-        kernel.zstd_decompress(piped, "the kernel", len(data))
+    assert kernel.zstd_decompress(piped, "the kernel") == data  # a frame from a pipe records no size
+    assert kernel.decompress_module(piped, ".zst", "virtio.ko.zst") == data
+    assert decompress_bzimage(bzimage(with_size(piped, data))) == data
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setenv(zstdio.ENV_IMPLEMENTATION, "module")
+        assert kernel.zstd_decompress(piped, "the kernel") == data
+        monkeypatch.delenv(zstdio.ENV_IMPLEMENTATION)
+    monkeypatch.setattr(zstdio.shutil, "which", lambda name: None)
+    monkeypatch.setattr(zstdio, "_zstandard", lambda: None)
+    with pytest.raises(ImageToolMissing, match=r"the kernel is zstd-compressed and zstd is not available; install"):
+        kernel.zstd_decompress(piped, "the kernel")
+    # The kernel itself then boots compressed: no PVH kernel is made of it.
+    assert decompress_bzimage(bzimage(with_size(piped, data))) is None

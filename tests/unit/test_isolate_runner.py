@@ -78,7 +78,7 @@ class Runner:
 
     def __init__(self, project: Path, args: list[str]) -> None:
         spec = project / "spec.json"
-        spec.write_text(json.dumps({"args": args, "options": {"verbose": 0}, "sys_path": [str(project)]}))
+        spec.write_text(json.dumps({"args": args, "report_options": {"verbose": 0}, "sys_path": [str(project)]}))
         self.events = project / "events.log"
         self.process = subprocess.Popen(
             [sys.executable, str(RUNNER), str(spec)],
@@ -248,3 +248,132 @@ def test_a_test_cannot_write_into_the_protocol_channel(tmp_path: Path) -> None:
     assert runner.process.wait(timeout=60) == 0
     assert runner.process.stderr is not None
     assert "raw fd 1" in runner.process.stderr.read().decode()
+
+
+# -- the suite's configuration and the project's code, as on the host ----------------------------------
+CONFIGURED_CONFTEST = """\
+import pytest
+
+SEEN = []
+
+
+def pytest_addoption(parser):
+    parser.getgroup("flavours").addoption("--flavour", default="mild")
+
+
+def pytest_configure(config):
+    SEEN.append(config.getoption("flavour"))
+"""
+
+CONFIGURED_SUITE = """\
+import os
+import uuid
+
+import conftest
+import pytest
+
+
+def test_saw_the_option():
+    assert conftest.SEEN == ["spicy"]
+
+
+class TestShared:
+    @classmethod
+    def setup_class(cls):
+        with open(os.environ["EVENTS"], "a") as events:
+            events.write("setup_class\\n")
+
+    @pytest.fixture(scope="class")
+    def token(self):
+        return uuid.uuid4().hex
+
+    def test_one(self, token):
+        pass
+
+    def test_two(self, token):
+        pass
+"""
+
+BASE_ARGS = ["-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:terminal", "-p", "no:forkd", "-p", "no:xdist",
+             "-p", "no:randomly"]  # fmt: skip
+
+
+def configured(tmp_path: Path, **spec: Any) -> Runner:
+    (tmp_path / "conftest.py").write_text(CONFIGURED_CONFTEST)
+    (tmp_path / "test_configured.py").write_text(CONFIGURED_SUITE)
+    runner = Runner(tmp_path, ["--rootdir", str(tmp_path), *BASE_ARGS, str(tmp_path / "test_configured.py")])
+    if spec:
+        runner.process.kill()
+        runner.process.wait(timeout=30)
+        full = {
+            "args": ["--rootdir", str(tmp_path), *BASE_ARGS, str(tmp_path / "test_configured.py")],
+            "report_options": {"verbose": 0},
+            "sys_path": [str(tmp_path)],
+            **spec,
+        }
+        (tmp_path / "spec.json").write_text(json.dumps(full))
+        runner.process = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(tmp_path / "spec.json")],
+            cwd=tmp_path,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={"EVENTS": str(runner.events), "PATH": "/usr/bin:/bin"},
+        )
+    return runner
+
+
+def test_options_are_set_before_the_conftests_pytest_configure(tmp_path: Path) -> None:
+    runner = configured(tmp_path, options={"flavour": "spicy"})
+    assert runner.read()["op"] == "ready", runner.stderr()
+    reports, _ = runner.run("test_configured.py::test_saw_the_option", fresh=True)
+    assert [report["outcome"] for report in reports] == ["passed"] * 3, reports
+    runner.process.kill()
+
+
+def test_an_option_the_guests_plugins_do_not_know_stops_the_run_naming_it(tmp_path: Path) -> None:
+    runner = configured(tmp_path, options={"flavour": "spicy", "timeout": 5.0})
+    message = runner.read()
+    assert (message["op"], message["kind"], message["options"]) == ("error", "options", ["timeout"])
+    assert runner.process.wait(timeout=60) == 4
+
+
+def test_a_plugin_named_with_p_that_the_guest_lacks_stops_the_run(tmp_path: Path) -> None:
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    runner = Runner(tmp_path, ["-p", "pytester", "-p", "no_such_plugin_here", str(tmp_path / "test_x.py")])
+    message = runner.read()
+    assert (message["op"], message["kind"], message["plugins"]) == ("error", "plugins", ["no_such_plugin_here"])
+
+
+def test_a_project_package_found_elsewhere_stops_the_run_naming_both_places(tmp_path: Path) -> None:
+    runner = configured(tmp_path, project_modules={"json": str(tmp_path / "json")})
+    message = runner.read()
+    assert (message["op"], message["kind"]) == ("error", "imports"), message
+    (line,) = message["lines"]
+    assert "'json'" in line and str(tmp_path / "json") in line and "/json" in line.split(" from ")[1]
+
+
+def test_the_projects_entries_come_first_before_pytest_is_imported(tmp_path: Path) -> None:
+    """A package of the project shadows an installed one of the same name, as on the host (pluggy's own suite)."""
+    (tmp_path / "src" / "iniconfig").mkdir(parents=True)
+    (tmp_path / "src" / "iniconfig" / "__init__.py").write_text("raise ImportError('the project copy was imported')\n")
+    runner = configured(tmp_path, sys_path=[str(tmp_path / "src"), str(tmp_path)])
+    message = runner.read()
+    assert message["op"] == "error" and "the project copy was imported" in message["message"], message
+
+
+def test_class_scoped_set_up_is_done_once_in_the_parent_when_the_host_names_the_class(tmp_path: Path) -> None:
+    runner = configured(tmp_path, options={"flavour": "spicy"})
+    runner.read()
+    scope = "test_configured.py::TestShared"
+    runner.send(op="prepare", nodeid=f"{scope}::test_one", group=[f"{scope}::test_two"], scope=scope)
+    prepared = runner.read()
+    assert prepared["op"] == "prepared" and "token" in prepared["fixtures"], prepared
+    assert runner.events_so_far() == ["setup_class"]
+    for name in ("test_one", "test_two"):  # in one process here; each in a child of the parent's branch in a run
+        runner.send(op="run", nodeid=f"{scope}::{name}", fresh=False, scope=scope)
+        outcomes = []
+        while (message := runner.read())["op"] == "report":
+            outcomes.append(message["report"]["outcome"])
+        assert outcomes == ["passed"] * 3, message
+    assert runner.events_so_far() == ["setup_class"]  # the class stayed set up: its teardown is the parent's

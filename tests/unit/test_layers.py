@@ -10,8 +10,8 @@ another's types for the checker depends on it as much as one that calls it.
 The layers, bottom to top (a module may import its own layer and any layer
 below it; docs/ARCHITECTURE.md draws them):
 
-0. foundation: ``errors``, ``moved``, ``paths``, ``private``, ``processes``, ``sizes``, ``tables``,
-   ``version``, ``waiting``
+0. foundation: ``errors``, ``filesystems``, ``moved``, ``paths``, ``private``, ``processes``, ``sizes``,
+   ``tables``, ``version``, ``waiting``, ``zstdio``
 1. ``guest``, ``image``
 2. ``engine``
 3. ``storage``, ``latency``, and the built-in ``backends``
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from parsed_sources import parsed
+from parsed_sources import import_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "pytest_forkd"
@@ -48,6 +48,8 @@ LAYERS: dict[str, int] = {
     "waiting": 0,
     "tables": 0,
     "moved": 0,
+    "filesystems": 0,
+    "zstdio": 0,
     "guest": 1,
     "image": 1,
     "engine": 2,
@@ -85,29 +87,13 @@ def module_files() -> Iterator[tuple[str, Path]]:
             yield ".".join([top, *parts]), path
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _runtime_nodes(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.AST]:
-    """Every node except the bodies of ``if TYPE_CHECKING:`` (their ``else`` still runs), or every node."""
-    stack: list[ast.AST] = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-
-
 def imports_of(name: str, path: Path, known: set[str], type_checking: bool = False) -> set[str]:
     """The package modules ``name`` imports at run time (absolute names), or for the type checker too."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in _runtime_nodes(parsed(path), type_checking):
+    for node, checker_only in import_nodes(path):
+        if checker_only and not type_checking:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -121,17 +107,9 @@ def imports_of(name: str, path: Path, known: set[str], type_checking: bool = Fal
             targets = [
                 f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module for alias in node.names
             ]
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            targets = [node.args[0].value]
-        else:
-            continue
+        else:  # importlib.import_module("literal")
+            assert isinstance(node.args[0], ast.Constant)
+            targets = [str(node.args[0].value)]
         for target in targets:
             if target.startswith("backends."):  # the source directory's name, as some tests spell it
                 target = BACKENDS + target[len("backends") :]
@@ -293,3 +271,20 @@ def test_the_graph_counts_type_checking_imports_when_asked(tmp_path: Path) -> No
 def test_the_circle_check_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+# -- module size ----------------------------------------------------------------------------------
+
+#: A module longer than this holds more than one concept: split it along a seam that has a name.
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_over_800_lines() -> None:
+    long = {
+        f"{path.relative_to(ROOT)}": lines
+        for _name, path in module_files()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each along a named seam): " + ", ".join(
+        f"{path} ({lines})" for path, lines in sorted(long.items(), key=lambda item: -item[1])
+    )

@@ -27,7 +27,7 @@ from oci_images import EPOCH, Compression, LayerTar, write_layout
 
 from pytest_forkd.errors import ImageError, ImageStoreFull
 from pytest_forkd.image.oci import disk as disk_module
-from pytest_forkd.image.oci.disk import DISK_CONFIG, DISK_ROOT, DiskError, disk_path, ensure_disk
+from pytest_forkd.image.oci.disk import DISK_CONFIG, DISK_ROOT, DiskError, disk_path, ensure_disk, guest_reference
 from pytest_forkd.image.oci.layers import HostileLayer
 from pytest_forkd.image.oci.store import ImageConfig, PulledImage
 
@@ -104,6 +104,10 @@ def rich_layers(
         .file("was-dir/inside", "inside")
         .file("empty", b"")
         .dir("awkward")
+        .dir("usr/share/doc")
+        .file("usr/share/doc/gone", "hidden through a symlinked parent")
+        .symlink("share", "usr/share")  # parents later layers write through (merged-/usr style)
+        .symlink("abs-doc", "/usr/share/doc")
     )
     for name in AWKWARD_NAMES:
         base.file(f"awkward/{name}", name.encode("utf-8", "surrogateescape"), uid=1234, gid=4321)
@@ -122,7 +126,14 @@ def rich_layers(
         .hardlink("bin/busybox-too", "bin/busybox")  # to an entry of an earlier layer
         .dir("etc", mode=0o751, uid=0, gid=42)  # a directory over a directory: new metadata, same contents
     )
-    top = LayerTar().whiteout("bin/ls").file("deep/implicit/parents/file", "deep", uid=7, gid=8)
+    top = (
+        LayerTar()
+        .whiteout("bin/ls")
+        .file("deep/implicit/parents/file", "deep", uid=7, gid=8)
+        .file("share/through-relative", "r")  # lands in usr/share, as containerd and umoci put it
+        .file("abs-doc/through-absolute", "a")  # an absolute target counts from the image root
+        .whiteout("abs-doc/gone")
+    )
     return [(base, compressions[0]), (middle, compressions[1]), (top, compressions[2])]
 
 
@@ -170,6 +181,12 @@ def test_whiteouts_and_opaque_directories(reader: DiskReader) -> None:
     assert reader.names(rootfs("etc")) == {"passwd"}
     etc = reader.stat(rootfs("etc"))
     assert (etc.mode, etc.gid) == (0o751, 42)
+
+
+def test_entries_under_in_root_symlinks_land_where_they_point(reader: DiskReader) -> None:
+    assert reader.read(rootfs("usr/share/through-relative")) == b"r"
+    assert reader.names(rootfs("usr/share/doc")) == {"through-absolute"}  # and the whiteout hid "gone"
+    assert reader.stat(rootfs("share")).target == "usr/share" and reader.stat(rootfs("abs-doc")).kind == "symlink"
 
 
 def test_replaced_directories_and_files(reader: DiskReader) -> None:
@@ -249,10 +266,12 @@ def test_times_are_kept_to_the_second(reader: DiskReader) -> None:
 
 def test_the_config_beside_the_root(rich: tuple[PulledImage, Path, list[str]], reader: DiskReader) -> None:
     image = rich[0]
-    document = json.loads(reader.read(f"/{DISK_CONFIG}"))
+    raw = reader.read(f"/{DISK_CONFIG}")
+    document = json.loads(raw)
+    assert image.reference.startswith("oci:/")  # a host path, which the guest must not see
     assert document == {
-        "format": 1,
-        "reference": image.reference,
+        "format": 2,
+        "reference": "oci:<local>:latest",
         "digest": image.digest,
         "config": {
             "env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"],
@@ -262,10 +281,27 @@ def test_the_config_beside_the_root(rich: tuple[PulledImage, Path, list[str]], r
             "cmd": ["true"],
         },
     }
+    assert image.reference.split(":")[1].encode() not in raw
     for path in ("/", "/forkd", f"/{DISK_CONFIG}", rootfs()):
         status = reader.stat(path)
         assert (status.uid, status.gid) == (0, 0), path
     assert reader.stat("/").mode == 0o755 and reader.stat(f"/{DISK_CONFIG}").mode == 0o644
+
+
+@pytest.mark.parametrize(
+    ("reference", "shown"),
+    [
+        ("docker://127.0.0.1:5000/tests/app:1", "docker://127.0.0.1:5000/tests/app:1"),
+        ("python:3.12-slim", "docker://docker.io/library/python:3.12-slim"),
+        ("oci:/home/me/layouts/app:v1", "oci:<local>:v1"),
+        ("oci-archive:/srv/evals/task.tar", "oci-archive:<local>"),
+        ("docker-archive:/home/me/image.tar", "docker-archive:<local>"),
+        ("dockerfile:/home/me/task/Dockerfile", "dockerfile:<local>"),
+        ("oci:", "<local>"),  # unreadable: nothing of it shown
+    ],
+)
+def test_the_guest_sees_no_host_path_in_the_reference(reference: str, shown: str) -> None:
+    assert guest_reference(reference) == shown
 
 
 # ------------------------------------------------------------------------------------------ the cache
@@ -327,12 +363,12 @@ def hostile_cases(sentinel: Path) -> dict[str, tuple[LayerTar, str]]:
     return {
         "dotdot": (LayerTar().add(entry(f"{ups}{str(sentinel).lstrip('/')}"), b"pwned"), "escapes the image root"),
         "symlink-then-write": (
-            LayerTar().symlink("evil", str(sentinel.parent)).add(entry(f"evil/{sentinel.name}"), b"pwned"),
-            "would be written through the symlink 'evil'",
+            LayerTar().symlink("evil", "/" + ups + str(sentinel.parent)).add(entry(f"evil/{sentinel.name}"), b"pwned"),
+            "would be written through the symlink 'evil' -> '/../",
         ),
         "relative-symlink-then-write": (
             LayerTar().symlink("evil", ups.rstrip("/")).add(entry(f"evil/{str(sentinel).lstrip('/')}"), b"pwned"),
-            "would be written through the symlink 'evil'",
+            "would be written through the symlink 'evil' -> '../",
         ),
         "hardlink-to-host": (
             LayerTar().add(entry("passwd", tarfile.LNKTYPE, "/etc/passwd")),
@@ -373,6 +409,23 @@ def test_a_hostile_image_is_refused_and_leaves_nothing(
         shutil.rmtree(outside)
 
 
+def test_an_absolute_symlinked_parent_to_a_host_folder_stays_inside_the_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``evil -> /tmp/x`` means the image's /tmp/x, never the host's: the entry lands on the disk, nowhere else."""
+    monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path / "cache"))
+    outside = Path(tempfile.mkdtemp(prefix="forkd-sentinel-"))
+    try:
+        layer = LayerTar().symlink("evil", str(outside)).file("evil/pwned", "inside the image")
+        disk = ensure_disk(pulled_image(tmp_path / "blobs", [(layer, "gzip")]), progress=lambda line: None)
+        assert list(outside.iterdir()) == []
+        reader = DiskReader(disk)
+        assert reader.read(rootfs(f"{str(outside).lstrip('/')}/pwned")) == b"inside the image"
+        assert reader.stat(rootfs("evil")).target == str(outside)
+    finally:
+        shutil.rmtree(outside)
+
+
 def test_an_entry_debugfs_cannot_take_in_one_line_is_refused_not_split(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -408,7 +461,8 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path: Path, monkeypatch: 
         with pytest.raises(ImageStoreFull) as full:
             ensure_disk(image, progress=lambda line: None)
         message = str(full.value)
-        assert message.startswith(f"no space left in {small}/oci/disks while ") and "\n" not in message
+        assert f" failed: no space left in {small}/oci/disks, on tmpfs at {small} (" in message, message
+        assert "forkd image prune" in message and "FORKD_CACHE_DIR" in message and "\n" not in message
         assert sorted(path.name for path in (small / "oci" / "disks").iterdir()) == [".locks"]
     finally:
         subprocess.run(["umount", str(small)], check=True)

@@ -8,7 +8,7 @@ import pytest
 
 from pytest_forkd.errors import InvalidArgument
 from pytest_forkd.image.oci import is_reference, parse_reference, plain_http_allowed
-from pytest_forkd.image.oci.reference import ImageReference
+from pytest_forkd.image.oci.reference import ImageReference, names_container_image
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -105,6 +105,52 @@ def test_malformed_references_get_one_line_saying_what_is_wrong(text: str, said:
     assert "\n" not in message
     assert "docker-archive:FILE" in message or "characters long" in message  # the accepted forms, or the limit
     assert len(message) < 600
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("dokcer://127.0.0.1:5000/x:1", "unknown transport 'dokcer' in the image reference"),
+        ("dokcer://x", "did you mean 'docker'?"),
+        ("oic:/srv/layout:1", "did you mean 'oci'?"),
+        ("dockerfiel:./Dockerfile", "did you mean 'dockerfile'?"),
+        ("docker:/x", "write docker://..."),
+        ("s3://bucket/image", "unknown transport 's3'"),
+    ],
+)
+def test_an_unknown_transport_is_named_as_such_with_the_known_ones(text: str, said: str) -> None:
+    for bare in ("docker", None):
+        with pytest.raises(InvalidArgument) as caught:
+            parse_reference(text, bare=bare)
+        message = str(caught.value)
+        assert said in message and "\n" not in message
+        assert "the transports are docker://, oci:, oci-archive:, docker-archive:, dockerfile:" in message
+
+
+def test_names_that_only_look_like_transports_are_docker_names() -> None:
+    # a registry's port and a tag follow a colon too, never a path
+    assert str(parse_reference("localhost:5000/x")) == "docker://localhost:5000/x:latest"
+    assert str(parse_reference("registry:5000/a/b:1")) == "docker://registry:5000/a/b:1"
+    assert str(parse_reference("docker:python")) == "docker://docker.io/library/docker:python"
+
+
+@pytest.mark.parametrize(
+    ("text", "is_container"),
+    [
+        ("default", False),
+        ("my-image_2", False),
+        ("busybox", False),
+        ("busybox:latest", True),
+        ("127.0.0.1:5055/trial/bb:1", True),
+        ("ghcr.io/o/x", True),
+        (f"python@{DIGEST}", True),
+        ("docker://busybox", True),
+        ("oci:layout", True),
+        ("dokcer://x", True),  # then refused, naming the transport
+    ],
+)
+def test_a_container_reference_is_told_from_a_forkd_image_name(text: str, is_container: bool) -> None:
+    assert names_container_image(text) is is_container
 
 
 def test_a_transport_is_required_when_bare_is_none() -> None:

@@ -304,7 +304,7 @@ def test_wait_ready_returns_the_refreshed_record_once_ready(tmp_path: Path) -> N
     writing = make_snapshot(tmp_path, status="writing", writer_pid=os.getpid()).with_owner(owner)
     writing.save_to(tmp_path)
     finisher = threading.Timer(
-        0.15, lambda: writing.replace(status="ready", writer_pid=None, total_ms=150.0).save_to(tmp_path)
+        0.05, lambda: writing.replace(status="ready", writer_pid=None, total_ms=150.0).save_to(tmp_path)
     )
     finisher.start()
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_forkd import filesystems
 from pytest_forkd.cli import doctor_cmd
 from pytest_forkd.engine import rundir, space
 from pytest_forkd.errors import HostNotReady
@@ -69,6 +70,30 @@ def test_no_space_names_the_place_its_room_and_the_fix(tmp_path: Path) -> None:
     assert "the disk quota is exhausted" in quota and quota.endswith("export elsewhere")
     assert space.is_no_space(full) and space.is_no_space(OSError(errno.EDQUOT, "q"))
     assert not space.is_no_space(OSError(errno.EACCES, "denied")) and not space.is_no_space(ValueError())
+
+
+def test_one_classifier_for_full_over_quota_and_read_only_writes(tmp_path: Path) -> None:
+    """pytest_forkd.filesystems tells the three apart from an OSError, an errno, or what a tool printed."""
+    assert filesystems.unwritable_reason(OSError(errno.ENOSPC, "full")) == "no space"
+    assert filesystems.unwritable_reason(errno.EDQUOT) == "quota"
+    assert filesystems.unwritable_reason(OSError(errno.EROFS, "ro")) == "read-only"
+    assert filesystems.unwritable_reason("mke2fs: No space left on device while writing") == "no space"
+    assert filesystems.unwritable_reason('level=fatal msg="write /x: read-only file system"') == "read-only"
+    assert filesystems.unwritable_reason(OSError(errno.EACCES, "denied")) is None
+    assert filesystems.unwritable_reason(ValueError("no space left on device")) is None
+    assert filesystems.is_read_only(errno.EROFS) and not filesystems.is_no_space(errno.EROFS)
+    remedy = filesystems.Remedy(room="free space there", elsewhere="write elsewhere")
+    read_only = filesystems.unwritable_text(OSError(errno.EROFS, "ro"), tmp_path, "writing the index", remedy)
+    assert read_only == (
+        f"writing the index failed: {tmp_path} is on a read-only filesystem "
+        f"({filesystems.filesystem_of(tmp_path).describe()}); write elsewhere"
+    )
+    assert filesystems.unwritable_text(OSError(errno.EACCES, "denied"), tmp_path, "x", remedy) is None
+
+
+def test_the_engine_and_the_foundation_share_the_filesystem_facts(tmp_path: Path) -> None:
+    assert space.filesystem_of is filesystems.filesystem_of and space.is_no_space is filesystems.is_no_space
+    assert space.filesystem_of(tmp_path / "not" / "yet").mount_point == filesystems.mount_of(tmp_path)[0]
 
 
 def test_a_small_default_shm_moves_run_directories_to_a_roomy_tmpfs_first_and_warns_once(

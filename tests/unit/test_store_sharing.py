@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pytest_forkd.errors import SnapshotError
-from pytest_forkd.storage import store as store_module
+from pytest_forkd.storage import leftovers
 from pytest_forkd.storage.store import SnapshotStore
 
 
@@ -22,8 +22,8 @@ def dead_pid() -> int:
 def test_temporary_directories_of_another_host_are_left_to_it(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     pid = dead_pid()
-    ours = tmp_path / f".tmp-snap-{pid}-{store_module._HOST_TOKEN}deadbeef"
-    theirs = tmp_path / f".tmp-snap-{pid}-{'f' * 8 if store_module._HOST_TOKEN != 'f' * 8 else 'e' * 8}deadbeef"
+    ours = tmp_path / f".tmp-snap-{pid}-{leftovers.HOST_TOKEN}deadbeef"
+    theirs = tmp_path / f".tmp-snap-{pid}-{'f' * 8 if leftovers.HOST_TOKEN != 'f' * 8 else 'e' * 8}deadbeef"
     legacy = tmp_path / f".tmp-snap-{pid}-deadbeef"  # written before names carried a host token
     for directory in (ours, theirs, legacy):
         directory.mkdir()
@@ -38,8 +38,8 @@ def test_temporary_directories_of_another_host_are_left_to_it(tmp_path: Path) ->
 def test_new_temporary_directories_carry_this_hosts_token(tmp_path: Path) -> None:
     pending = SnapshotStore(tmp_path).begin("snap")
     try:
-        assert pending.dir.name.rsplit("-", 1)[1].startswith(store_module._HOST_TOKEN)
-        assert store_module._made_on_this_host(pending.dir.name)
+        assert pending.dir.name.rsplit("-", 1)[1].startswith(leftovers.HOST_TOKEN)
+        assert leftovers.made_on_this_host(pending.dir.name)
     finally:
         pending.abort()
 

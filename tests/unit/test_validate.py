@@ -70,6 +70,7 @@ def fake_image(tmp_path: Path, initrd_mib: int) -> Image:
         ({"timeout": -5}, "timeout=-5 is not a positive number"),
         ({"timeout": float("nan")}, "timeout=nan is not a positive number"),
         ({"image": ""}, "invalid image name '' \\(it is empty\\)"),
+        ({"image": "dokcer://x"}, "unknown transport 'dokcer'.*did you mean 'docker'"),
     ],
 )
 def test_boot_refuses_bad_arguments_before_qemu(
@@ -188,3 +189,35 @@ def test_timeouts_accept_none_and_positive_numbers() -> None:
 
 def test_every_argument_error_is_a_forkd_error() -> None:
     assert issubclass(InvalidArgument, ForkdError) and issubclass(InvalidArgument, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ("default", "default"),
+        ("tools_2", "tools_2"),
+        ("busybox", "busybox"),  # a plain word stays a forkd image name
+        ("127.0.0.1:5055/trial/bb:1", "docker://127.0.0.1:5055/trial/bb:1"),  # read as --forkd-image reads it
+        ("python:3.12-slim", "docker://docker.io/library/python:3.12-slim"),
+        ("docker://busybox", "docker://docker.io/library/busybox:latest"),
+    ],
+)
+def test_an_image_is_a_forkd_image_name_or_a_reference_read_as_docker_reads_it(given: str, named: str) -> None:
+    assert validate.image_name(given) == named
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("dokcer://127.0.0.1:5055/x:1", "unknown transport 'dokcer'"),
+        ("ocii:./layout", "unknown transport 'ocii'"),
+        ("docker:/x", "write docker://"),
+        ("Bad Name", "invalid image name"),
+    ],
+)
+def test_an_unknown_transport_is_named_with_the_known_ones(given: str, said: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        validate.image_name(given)
+    assert said in str(caught.value)
+    if "transport" in said or "docker://" in said:
+        assert "docker://, oci:, oci-archive:, docker-archive:, dockerfile:" in str(caught.value)

@@ -24,11 +24,12 @@ def figure(values: list[float]) -> dict[str, float]:
     return {key: summary[key] for key in FIGURE_KEYS}
 
 
-PARTS: tuple[str, ...] = ("core", "uffd", "diff", "memory", "speed", "cpu", "images")
+PARTS: tuple[str, ...] = ("core", "uffd", "diff", "memory", "speed", "cpu", "images", "e2b")
 """core: boots, forks, execs, changes, branch table; uffd: live pause vs memory; diff: pause over
 successive branches; memory: PSS of idle children and a parent; speed: guest Python vs host;
 cpu: QEMU CPU per child by phase, TCG translation work and the first-command tax; images: children
-of a large and a tiny container image, and QEMU CPU of a busybox image's child against the default's."""
+of a large and a tiny container image, and QEMU CPU of a busybox image's child against the default's;
+e2b: E2B's Python SDK through `forkd e2b serve`'s server against forkd's own fork and exec."""
 
 
 @dataclass

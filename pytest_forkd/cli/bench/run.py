@@ -14,6 +14,7 @@ from .branches import measure_branches
 from .changes import measure_changes
 from .common import PARTS, BenchPlan, _conditions, _ms, _wait_for, figure
 from .cpu import measure_child_cpu
+from .e2b import measure_e2b
 from .forks import measure_parallel_fork, measure_plugin_overhead, measure_prefill, restore_breakdown
 from .guest_io import (
     COPY_TREE_MIB,
@@ -78,6 +79,8 @@ def _run_parts(factory: VMFactory, plan: BenchPlan, progress: Callable[[str], No
             SnapshotStore(base.path.parent).remove(base.tag, cascade=True)
     if "images" in plan.parts:
         result.update(measure_images(factory, plan.repeats, progress, large_mib=plan.image_mib))
+    if "e2b" in plan.parts:
+        result.update(measure_e2b(plan.repeats, progress, accel=plan.accel, required=set(plan.parts) != set(PARTS)))
     if "core" not in plan.parts:
         result["conditions"] = _conditions(factory, plan, factory.accel_verdict(ensure_image("default")))
     result.setdefault("conditions", {})["parts"] = list(plan.parts)

@@ -29,7 +29,8 @@ The parts, each importing only those listed before it:
 
 * ``common``: limits, request errors, field parsing, frame writing;
 * ``streams``: output within the host's credit, and the bounded buffers behind it;
-* ``files``: request payloads (in memory, an upload beside its destination, a tar stream unpacked as it arrives);
+* ``files``: request payloads (in memory, an upload beside its destination or into it as a user, a tar stream
+  unpacked as it arrives);
 * ``terminal``: pseudo-terminals and terminal signals;
 * ``cgroups``: a cgroup per command, and the agent kept out of the OOM killer's reach;
 * ``users``: the container image the agent may serve in (its config) and the users commands run as;

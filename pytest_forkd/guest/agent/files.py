@@ -1,9 +1,11 @@
-"""Request payloads: held in memory, written to a file beside its destination, or unpacked as a tar stream."""
+"""Request payloads: in memory, written beside or into their destination, or unpacked as a tar stream."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import threading
 
 from .common import RequestError, _tarstream, _with_path, _write_all
@@ -18,6 +20,8 @@ else:
         import wire
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
     from typing import Any
 
 
@@ -26,6 +30,22 @@ class _WithdrawnPayload:
 
     def write(self, chunk: bytes) -> None:
         pass
+
+    def discard(self) -> None:
+        pass
+
+
+class _RefusedPayload:
+    """The payload of a request refused at its first frame (an unknown ``user``): dropped, the error replied."""
+
+    def __init__(self, error: RequestError) -> None:
+        self._error = error
+
+    def write(self, chunk: bytes) -> None:
+        pass
+
+    def commit(self, mode: int | None) -> int:
+        raise self._error
 
     def discard(self) -> None:
         pass
@@ -111,6 +131,75 @@ class _UploadSink:
             self._temporary_exists = False
             with contextlib.suppress(OSError):
                 os.unlink(self._temporary)
+
+
+class _InPlaceUpload:
+    """Writes an upload into its destination as a user other than root, chunk by chunk (``write_file`` with ``user``).
+
+    The destination is opened at the first frame under the user's identity
+    (``acting_as()``: the kernel checks the user's permissions, and a new file
+    is the user's), truncated, and every chunk goes straight into it: the guest
+    holds one copy of the file, wherever it lives, and the agent a chunk. That
+    is how ``cat > PATH`` run as the user writes, and what Docker's sandboxes do:
+    a reader may see the file grow, and a failed upload leaves it cut short.
+    Only regular files are written (a FIFO or a device is refused: opening one
+    could block the agent). The first OS error is kept and reported at commit.
+    """
+
+    def __init__(self, path: str, acting_as: Callable[[], AbstractContextManager[None]]) -> None:
+        self._path = path
+        self._acting_as = acting_as
+        self._size = 0
+        self._error: BaseException | None = None
+        self._fd: int | None = None
+        try:
+            with acting_as():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o666)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(errno.EINVAL, "Not a regular file: only regular files are written", path)
+                os.ftruncate(fd, 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+        except OSError as exc:
+            self._error = _with_path(exc, path)
+        except RequestError as exc:  # the user cannot be acted as here
+            self._error = exc
+
+    def write(self, chunk: bytes) -> None:
+        if self._fd is None or not chunk:
+            return
+        try:
+            _write_all(self._fd, chunk)
+            self._size += len(chunk)
+        except OSError as exc:
+            self._error = _with_path(exc, self._path)
+            self.discard()
+
+    def commit(self, mode: int | None) -> int:
+        """Set ``mode`` (as the user: only its owner may) and close the file; return its size."""
+        if self._error is not None:
+            raise self._error
+        assert self._fd is not None  # open unless an error was kept
+        fd, self._fd = self._fd, None
+        try:
+            if mode is not None:
+                with self._acting_as():
+                    os.fchmod(fd, mode)
+        except OSError as exc:
+            raise _with_path(exc, self._path) from None
+        finally:
+            # Closed before the reply: a file still open for writing cannot be executed (ETXTBSY).
+            os.close(fd)
+        return self._size
+
+    def discard(self) -> None:
+        """Close the file (what was written stays: it was written in place); safe to call twice."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class _ArchiveSink(_MemorySink):

@@ -27,11 +27,11 @@ from .common import (
     mix_into_urandom,
     set_wall_clock,
 )
-from .files import _ArchiveSink, _MemorySink, _UploadSink, _WithdrawnPayload
+from .files import _ArchiveSink, _InPlaceUpload, _MemorySink, _RefusedPayload, _UploadSink, _WithdrawnPayload
 from .processes import _Spawned
 from .streams import _OutputStream, _send_within_credit, _StreamCapture, _StreamStopper
 from .terminal import _terminal_size, _unignore_terminal_signals
-from .users import ROOT, Credentials, ImageRoot, enter_image, resolve_user
+from .users import ROOT, Credentials, ImageRoot, acting_as, enter_image, resolve_user
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -44,7 +44,10 @@ else:
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
+    from typing import Any, TypeAlias
+
+    #: What a request's payload goes into (see ``Agent._sink_for``).
+    _Sink: TypeAlias = "_MemorySink | _UploadSink | _InPlaceUpload | _ArchiveSink | _RefusedPayload"
 
 
 class Agent:
@@ -186,12 +189,27 @@ class Agent:
         collector.kill()
         return True
 
-    def _sink_for(self, fields: dict[str, Any]) -> _MemorySink | _UploadSink:
+    def _sink_for(self, fields: dict[str, Any]) -> _Sink:
         if fields["op"] == "write_file" and isinstance(fields.get("path"), str):
-            return _UploadSink(fields["path"], fields["id"])
+            return self._upload_sink(fields)
         if fields["op"] == "copy_in" and isinstance(fields.get("path"), str):
             return _ArchiveSink(fields["path"])
         return _MemorySink()
+
+    def _upload_sink(self, fields: dict[str, Any]) -> _Sink:
+        """A ``write_file`` as root replaces the file atomically; as another user it writes in place, as that user."""
+        user = fields.get("user")
+        if user is None:
+            return _UploadSink(fields["path"], fields["id"])
+        try:
+            if not isinstance(user, str):
+                raise RequestError("BadRequest", "'user' must be a string (NAME, UID, NAME:GROUP or UID:GID)")
+            credentials = self._image.credentials(user) if self._image is not None else resolve_user(user)
+        except RequestError as exc:
+            return _RefusedPayload(exc)
+        if credentials.is_root:
+            return _UploadSink(fields["path"], fields["id"])
+        return _InPlaceUpload(fields["path"], lambda: acting_as(credentials))
 
     def _abandon_incoming(self, reason: str) -> None:
         for request_id, incoming in self._incoming.items():
@@ -243,7 +261,7 @@ class Agent:
 
     # -- request handling (one thread per request) ---------------------------
 
-    def _handle(self, fields: dict[str, Any], sink: _MemorySink | _UploadSink) -> None:
+    def _handle(self, fields: dict[str, Any], sink: _Sink) -> None:
         try:
             error = self._perform(fields, sink)
         finally:
@@ -252,7 +270,7 @@ class Agent:
         if error is not None:
             self._send_error(fields["id"], error)
 
-    def _perform(self, fields: dict[str, Any], sink: _MemorySink | _UploadSink) -> dict[str, Any] | None:
+    def _perform(self, fields: dict[str, Any], sink: _Sink) -> dict[str, Any] | None:
         """Run the operation, which sends its own reply; return the error to send instead, if any."""
         operation = self._operations.get(fields["op"])
         try:
@@ -396,8 +414,8 @@ class Agent:
                     return
                 chunk = following
 
-    def _write_file(self, fields: dict[str, Any], sink: _UploadSink) -> None:
-        _required(fields, "path", str)  # the sink opened its temporary file beside it at the first frame
+    def _write_file(self, fields: dict[str, Any], sink: _UploadSink | _InPlaceUpload | _RefusedPayload) -> None:
+        _required(fields, "path", str)  # the sink opened its file (beside it, or as the user) at the first frame
         mode = _optional(fields, "mode", int)
         if mode is not None and not 0 <= mode <= 0o7777:
             raise RequestError("BadRequest", f"'mode' must be permission bits between 0 and 0o7777, got {mode:#o}")
@@ -507,7 +525,7 @@ class Agent:
         described = [spawned.describe() for spawned in list(self._processes.values())]
         self._send({"id": fields["id"], "processes": described})
 
-    def _copy_in(self, fields: dict[str, Any], sink: _MemorySink | _UploadSink) -> None:
+    def _copy_in(self, fields: dict[str, Any], sink: _Sink) -> None:
         """The archive was unpacked as it arrived (see _ArchiveSink): report how it went."""
         _required(fields, "path", str)
         if not isinstance(sink, _ArchiveSink):
@@ -515,7 +533,7 @@ class Agent:
         stats = sink.finish()
         self._send({"id": fields["id"], **stats.to_json()})
 
-    def _copy_out(self, fields: dict[str, Any], sink: _MemorySink | _UploadSink) -> None:
+    def _copy_out(self, fields: dict[str, Any], sink: _Sink) -> None:
         """Stream ``path`` as a tar archive in output frames (fd 1), within the host's credit window."""
         tarstream = _tarstream()
         path = _required(fields, "path", str)
@@ -543,7 +561,7 @@ class Agent:
 
     # -- cancel ---------------------------------------------------------------
 
-    def _handle_cancellable(self, fields: dict[str, Any], sink: _MemorySink | _UploadSink) -> None:
+    def _handle_cancellable(self, fields: dict[str, Any], sink: _Sink) -> None:
         """:meth:`_handle`, findable by a cancel request while it runs (a command it starts can be killed)."""
         with self._handling_lock:
             running = self._handling.get(fields["id"])
@@ -616,9 +634,9 @@ class Agent:
 class _IncomingRequest:
     __slots__ = ("fields", "sink")
 
-    def __init__(self, fields: dict[str, Any], sink: _MemorySink | _UploadSink) -> None:
+    def __init__(self, fields: dict[str, Any], sink: _Sink) -> None:
         self.fields = fields
-        self.sink: _MemorySink | _UploadSink | _WithdrawnPayload = sink
+        self.sink: _Sink | _WithdrawnPayload = sink
 
 
 class _Running:

@@ -11,10 +11,18 @@ and ``/etc/group``, read as text: the runtime's C library must not load the
 image's NSS modules, and an image may have no passwd file at all (a number
 then works, a name does not). Supplementary groups are not set: the switch is
 busybox's ``nsenter -S UID -G GID``, which clears them.
+
+A file the host writes as a user (``write_file`` with ``user``) is opened by
+the agent itself, in the thread that serves the request, under that user's
+filesystem identity (:func:`acting_as`): the kernel checks the user's
+permissions, a new file is the user's, and the data then streams straight
+into it, with no second copy in guest memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 
@@ -22,6 +30,7 @@ from .common import RequestError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from typing import Any
 
 #: Where /init mounts the runtime inside an image root, given to the agent as FORKD_RUNTIME.
@@ -45,6 +54,61 @@ class Credentials:
 
 
 ROOT = Credentials(0, 0, "/root")
+
+
+#: setfsuid, setfsgid and setgroups by machine: called raw, they change the calling thread only (the C
+#: library's wrappers of setgroups and the set*id calls change every thread of the process).
+_IDENTITY_SYSCALLS = {"x86_64": (122, 123, 116), "aarch64": (151, 152, 159)}
+_libc: Any = None
+
+
+def _syscall() -> Any:
+    global _libc
+    if _libc is None:
+        import ctypes  # only a write as another user needs it; imports cost in an emulated guest
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc.syscall
+
+
+@contextlib.contextmanager
+def acting_as(credentials: Credentials) -> Iterator[None]:
+    """Inside the block this thread opens files as ``credentials``: its fsuid and fsgid, no other groups.
+
+    The kernel checks permissions against the filesystem ids, and while the
+    fsuid is not 0 the thread has none of root's filesystem capabilities, so
+    the user's permissions apply exactly as to a process of that user (as
+    ``nsenter -S UID -G GID`` gives commands). Other threads keep the agent's
+    identity. PermissionError when the agent may not switch (not root).
+    """
+    if credentials.uid == os.geteuid() and credentials.gid == os.getegid():
+        yield
+        return
+    numbers = _IDENTITY_SYSCALLS.get(os.uname().machine)
+    if numbers is None:
+        raise RequestError("Unsupported", f"acting as another user is not implemented on {os.uname().machine}")
+    import ctypes
+
+    setfsuid, setfsgid, setgroups = numbers
+    syscall = _syscall()
+    groups = os.getgroups()
+    if syscall(ctypes.c_long(setgroups), ctypes.c_long(0), None) != 0:
+        code = ctypes.get_errno()
+        raise PermissionError(code, f"cannot act as user {credentials.uid}: {os.strerror(code)}")
+    try:
+        # Each call returns the id before it; setting the same id again reads back whether it took.
+        syscall(ctypes.c_long(setfsgid), ctypes.c_long(credentials.gid))
+        syscall(ctypes.c_long(setfsuid), ctypes.c_long(credentials.uid))
+        gid = syscall(ctypes.c_long(setfsgid), ctypes.c_long(credentials.gid))
+        uid = syscall(ctypes.c_long(setfsuid), ctypes.c_long(credentials.uid))
+        if (uid, gid) != (credentials.uid, credentials.gid):
+            raise PermissionError(errno.EPERM, f"cannot act as user {credentials.uid}:{credentials.gid}")
+        yield
+    finally:
+        syscall(ctypes.c_long(setfsuid), ctypes.c_long(os.geteuid()))
+        syscall(ctypes.c_long(setfsgid), ctypes.c_long(os.getegid()))
+        listed = (ctypes.c_uint * len(groups))(*groups)
+        syscall(ctypes.c_long(setgroups), ctypes.c_long(len(groups)), listed)
 
 
 def _entries(path: str) -> list[list[str]]:

@@ -8,8 +8,9 @@ into one local OCI layout under the forkd cache, verified blob by blob;
 read-only disk per image digest, which a guest mounts below a tmpfs.
 
 Layer 1 of docs/ARCHITECTURE.md, beside guest. May import: the foundation
-(errors, paths, private, processes, sizes, tables, version, waiting) and
-guest. Never engine or anything above (checked by tests/unit/test_layers.py).
+(errors, filesystems, paths, private, processes, sizes, tables, version,
+waiting, zstdio) and guest. Never engine or anything above (checked by
+tests/unit/test_layers.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """A pulled image's merged layers as one read-only ext4 disk, built once per image digest, without root.
 
 The disk holds the image's root under ``rootfs/`` and, beside it,
-``forkd/image.json`` (the reference, the digest and the config a guest
-runs commands with). The guest mounts it read-only under an overlay, so the
+``forkd/image.json`` (the digest, the config a guest runs commands with, and
+the reference with any host path left out: the guest runs the agent under
+evaluation, which has no business knowing the host's folders). The guest
+mounts it read-only under an overlay, so the
 image's files are never in guest RAM until read, and every VM of the image
 shares the one file.
 
@@ -26,7 +28,6 @@ is never modified, and a failed build leaves nothing.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -42,9 +43,11 @@ from typing import Final, Protocol
 from filelock import FileLock, Timeout
 
 from ... import private
-from ...errors import ImageError, ImageStoreFull, ImageToolMissing
-from .layers import LayerBlob, MergedTree, Node, flatten, no_space_text
-from .store import disks_dir
+from ...errors import ForkdError, ImageError, ImageToolMissing
+from .layers import LayerBlob, flatten
+from .reference import parse_reference
+from .store import disks_dir, unwritable_error
+from .tree import MergedTree, Node
 
 __all__ = [
     "DISK_CONFIG",
@@ -60,12 +63,14 @@ __all__ = [
 
 #: The image's root filesystem inside the disk.
 DISK_ROOT: Final = "rootfs"
-#: Beside it: {"format", "reference", "digest", "config": {env, working_dir, user, entrypoint, cmd}}.
+#: Beside it: {"format", "reference", "digest", "config": {env, working_dir, user, entrypoint, cmd}}; the
+#: reference without any host path (:func:`guest_reference`).
 DISK_CONFIG: Final = "forkd/image.json"
 #: The ext4 label of every image disk.
 DISK_LABEL: Final = "forkd-image"
 #: Bump when the disk's layout or content changes meaning (the guest can read it from image.json).
-DISK_FORMAT: Final = 1
+#: 2: image.json's reference has no host path.
+DISK_FORMAT: Final = 2
 
 BLOCK: Final = 4096
 INODE_SIZE: Final = 256
@@ -202,7 +207,7 @@ def _config_json(image: ImageSource) -> bytes:
     config = image.config
     document = {
         "format": DISK_FORMAT,
-        "reference": image.reference,
+        "reference": guest_reference(image.reference),
         "digest": image.digest,
         "config": {
             "env": list(config.env),
@@ -213,6 +218,27 @@ def _config_json(image: ImageSource) -> bytes:
         },
     }
     return (json.dumps(document, indent=2) + "\n").encode()
+
+
+#: What stands for a host path in the reference a guest is shown.
+LOCAL: Final = "<local>"
+
+
+def guest_reference(reference: str) -> str:
+    """``reference`` as the guest may see it: a registry's as it is, a local one without its host path.
+
+    ``oci:/home/me/layouts/app:v1`` becomes ``oci:<local>:v1`` and
+    ``dockerfile:/home/me/task/Dockerfile`` ``dockerfile:<local>``: the agent
+    under evaluation learns the transport and the tag, never the host's
+    folders. Anything unreadable gives ``<local>`` alone.
+    """
+    try:
+        parsed = parse_reference(reference)
+    except ForkdError:
+        return LOCAL
+    if parsed.transport == "docker":
+        return str(parsed)
+    return f"{parsed.transport}:{LOCAL}" + (f":{parsed.tag}" if parsed.tag else "")
 
 
 # ---------------------------------------------------------------------------------------------- staging
@@ -328,7 +354,7 @@ class _Stager:
     def _parent_node(tree: MergedTree, path: str) -> Node:
         node = tree.root
         for part in path.split("/")[:-1]:
-            node = node.children[part]
+            node = node.entries[part]
         return node
 
 
@@ -356,7 +382,7 @@ def _filesystem_size(staged: _Staged) -> tuple[int, int]:
         elif node.kind == "symlink" and len(os.fsencode(node.target)) >= 60:
             data += 1  # shorter targets live in the inode
     for node in staged.directories:
-        entries = 24 + sum(8 + ((len(os.fsencode(name)) + 3) & ~3) for name in node.children)
+        entries = 24 + sum(8 + ((len(os.fsencode(name)) + 3) & ~3) for name in node.entries)
         blocks = -(-entries // (BLOCK - 12))
         data += blocks + (blocks // 64 + 1 if blocks > 1 else 0)  # an htree index past one block
     with_xattrs = sum(1 for copied in staged.copied if copied.node.xattrs)
@@ -406,8 +432,9 @@ def _make_filesystem(output: Path, stage: Path, blocks: int, inodes: int, folder
         if result.returncode == 0:
             return
         said = _said(result.stderr)
-        if any(os.strerror(number) in said for number in (errno.ENOSPC, errno.EDQUOT)):
-            raise ImageStoreFull(no_space_text(folder, "writing an image disk"))
+        unwritable = unwritable_error(said, folder, "writing an image disk")
+        if unwritable is not None:
+            raise unwritable
         if attempt < 2 and any(
             hint in said.lower() for hint in ("allocate", "no free space", "too big", "too many", "space")
         ):
@@ -455,7 +482,7 @@ def _write_script(script: Path, staged: _Staged, xattr_dir: Path) -> None:
 
     def set_xattrs(disk: str, node: Node) -> None:
         nonlocal values
-        for name, value in sorted(node.xattrs.items()):
+        for name, value in node.xattrs:  # sorted by name
             values += 1
             value_file = xattr_dir / str(values)
             value_file.write_bytes(value)
@@ -511,8 +538,9 @@ def _run_debugfs(output: Path, script: Path, folder: Path) -> None:
     ]
     if result.returncode != 0 or complaints:
         said = " ".join((complaints or [f"exit status {result.returncode}"])[0].split())[:300]
-        if any(os.strerror(number) in said for number in (errno.ENOSPC, errno.EDQUOT)):
-            raise ImageStoreFull(no_space_text(folder, "writing an image disk"))
+        unwritable = unwritable_error(said, folder, "writing an image disk")
+        if unwritable is not None:
+            raise unwritable
         where = ""
         match = re.match(rf'"?/{DISK_ROOT}/(.*?)"?: ', said)
         if match:
@@ -531,6 +559,4 @@ def _tool(name: str) -> str | None:
 
 
 def _os_failure(exc: OSError, folder: Path, doing: str) -> ImageError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ImageStoreFull(no_space_text(folder, doing))
-    return ImageError(f"{doing} failed in {folder}: {exc.strerror or exc}")
+    return unwritable_error(exc, folder, doing) or ImageError(f"{doing} failed in {folder}: {exc.strerror or exc}")

@@ -3,12 +3,18 @@
 ``skopeo inspect --raw`` reads the source's manifest first: a manifest list is
 resolved to its linux/amd64 entry here (an image without one is refused
 with the platforms it offers, before anything is downloaded), and the layer
-sizes give the progress lines their totals. ``skopeo copy`` then copies the
-image into the store's layout, while its half-written blob files are
-measured for progress; the store lock is held throughout, so pulls of several
-processes run one at a time and never write the layout together. Last,
-forkd hashes the manifest, the config and every layer, and only then enters
-the image in the index.
+sizes give the progress lines their totals. That is the one time a tag is
+read: from a registry, ``skopeo copy`` then copies the image by the digest
+the tag had, so a tag that moves meanwhile cannot give a manifest of one
+image and the blobs of another. The copy goes into the store's layout, while
+its half-written blob files are measured for progress; the store lock is
+held throughout, so pulls of several processes run one at a time and never
+write the layout together. Whoever waits for the lock says so, naming the
+pid that holds it (:class:`.store.StoreLock`), and a copy that makes no
+progress for :data:`STALL_SECONDS` is stopped, so the lock is never held
+without bound. Last, forkd hashes the manifest, the config and every layer
+(each blob once: see :func:`.store.verify_blob`), and only then enters the
+image in the index.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import private
-from ...errors import DigestMismatch, ImageError, NoMatchingPlatform
+from ...errors import DigestMismatch, ImageError, NoMatchingPlatform, RegistryUnreachable
 from . import skopeo, store
 from .store import PulledImage
 
@@ -44,6 +50,8 @@ REPORT_SECONDS = 1.0
 #: Name prefix of the files skopeo writes a blob into before renaming it into blobs/.
 SKOPEO_TEMPORARY_PREFIX = "oci-put-blob"
 INSPECT_TIMEOUT = 120
+#: A copy that shows no progress (no byte written, no blob finished) this long is stopped.
+STALL_SECONDS = 300.0
 
 
 def _quiet(_line: str) -> None:
@@ -67,37 +75,49 @@ def import_image(
     if pinned and "sha256:" + hashlib.sha256(top).hexdigest() != pinned:
         raise DigestMismatch(f"digest mismatch pulling {key}: the manifest the source sent does not hash to {pinned}")
     manifest, source_digest = _platform_manifest(source, top, tls, key=key, registry=registry)
+    # The tag is read once: from a registry, the copy asks for the digest it had, not for the tag again.
+    resolved = _with_digest(source, source_digest) if registry is not None else source
     layers = [entry for entry in manifest.get("layers", []) if isinstance(entry, dict)] if manifest else []
-    with store.store_lock():
-        image = _current(key, stamp, source_digest)
+    with store.StoreLock(f"pulling {key}", progress=progress) as lock:
+        image = _current(key, stamp, source_digest, lock)
         if image is None:
-            image = _copy_verified(source, tls, key=key, registry=registry, layers=layers, progress=progress)
+            image = _copy_verified(
+                resolved, tls, key=key, registry=registry, layers=layers, progress=progress, lock=lock
+            )
             image = dataclasses.replace(image, source_digest=source_digest or image.digest)
         image = store.record(key, image, stamp=stamp)
     progress(f"pulled {key}: {image.digest} ({len(image.layers)} layers, {image.size / 2**20:.1f} MiB)")
     return image
 
 
-def _current(key: str, stamp: str | None, source_digest: str) -> PulledImage | None:
+def _current(key: str, stamp: str | None, source_digest: str, lock: store.StoreLock) -> PulledImage | None:
     """The stored image of ``key`` when it is what the source has now, verified; else None (copy it)."""
     stored = store.lookup(key, stamp=stamp)
     if stored is None or not source_digest or stored.source_digest != source_digest:
         return None
     try:
-        return dataclasses.replace(store.load(stored.digest, key, verify=True), source_digest=source_digest)
+        checked = store.load(stored.digest, key, verify=True, alive=lock.alive)
+        return dataclasses.replace(checked, source_digest=source_digest)
     except DigestMismatch:
         return None  # a damaged blob, now removed: copy it again
 
 
 def _copy_verified(
-    source: str, tls: list[str], *, key: str, registry: str | None, layers: list[dict[str, Any]], progress: Progress
+    source: str,
+    tls: list[str],
+    *,
+    key: str,
+    registry: str | None,
+    layers: list[dict[str, Any]],
+    progress: Progress,
+    lock: store.StoreLock,
 ) -> PulledImage:
     """Copy, then hash every blob. skopeo reuses a blob the layout already has, so a damaged one
     (now removed by the check) is copied once more before the mismatch counts."""
     for attempt in (1, 2):
-        digest = _copy(source, tls, key=key, registry=registry, layers=layers, progress=progress)
+        digest = _copy(source, tls, key=key, registry=registry, layers=layers, progress=progress, lock=lock)
         try:
-            return store.load(digest, key, verify=True)
+            return store.load(digest, key, verify=True, alive=lock.alive)
         except DigestMismatch:
             if attempt == 2:
                 raise
@@ -186,6 +206,7 @@ def _copy(
     registry: str | None,
     layers: list[dict[str, Any]],
     progress: Progress,
+    lock: store.StoreLock,
 ) -> str:
     """``skopeo copy`` into the layout, reporting bytes done; returns the stored manifest digest."""
     root = store.store_dir()
@@ -220,7 +241,13 @@ def _copy(
                         process.wait(timeout=POLL_SECONDS)
                         break
                     except subprocess.TimeoutExpired:
-                        reporter.poll()
+                        if reporter.poll():
+                            lock.alive()
+                        elif registry is not None and reporter.idle() > STALL_SECONDS:
+                            raise RegistryUnreachable(
+                                f"pulling {key} from {registry} made no progress for {STALL_SECONDS:.0f} s (skopeo "
+                                "wrote nothing); it was stopped: check the network and the registry, and try again"
+                            ) from None
             finally:
                 if process.poll() is None:
                     process.kill()
@@ -250,6 +277,8 @@ class _Reporter:
         self.cached = sum(self.sizes[digest] for digest in self.present)
         self.last_report = 0.0
         self.last_done = -1
+        self.seen = -1  # bytes done at the last poll
+        self.moved = time.monotonic()  # when they last changed
         if self.sizes:
             fresh = len(self.sizes) - len(self.present)
             progress(
@@ -266,7 +295,12 @@ class _Reporter:
         except ImageError:
             return False
 
-    def poll(self, *, final: bool = False) -> None:
+    def idle(self) -> float:
+        """Seconds since the copy last wrote a byte or finished a blob."""
+        return time.monotonic() - self.moved
+
+    def poll(self, *, final: bool = False) -> bool:
+        """Report what was copied since the last poll; True when anything was."""
         finished = [digest for digest in self.sizes if digest not in self.present and self._has(digest)]
         self.present.update(finished)
         in_flight = 0
@@ -276,6 +310,7 @@ class _Reporter:
             except FileNotFoundError:
                 continue
         done = sum(self.sizes[digest] for digest in self.present) + in_flight
+        written = done + len(self.present)  # what moves while skopeo works, unclamped
         if self.total:
             done = min(done, self.total)
         now = time.monotonic()
@@ -286,6 +321,10 @@ class _Reporter:
         if not finished and not final and done != self.last_done and now - self.last_report >= REPORT_SECONDS:
             self.progress(f"pulling {self.key}: {_mib(done)}{total}")
             self.last_report, self.last_done = now, done
+        moved = written != self.seen
+        if moved:
+            self.seen, self.moved = written, now
+        return moved
 
 
 def _mib(size: int) -> str:

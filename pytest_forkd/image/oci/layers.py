@@ -1,4 +1,4 @@
-"""A container image's layers applied in order into one merged tree, in memory, refusing hostile entries.
+"""A container image's layers applied in order into one merged tree, refusing hostile entries, with bounded work.
 
 An image is a stack of tar streams (uncompressed, gzip or zstd; the magic
 bytes decide, whatever the media type says). Each layer adds, replaces and,
@@ -11,8 +11,12 @@ spec says (``image-spec/layer.md``), which is also what umoci and Docker do:
 - A directory over a directory keeps the lower one's contents and takes the
   new metadata; anything else replaces what was there, a whole directory
   included. Missing parent directories are made (0755, root-owned).
+- A parent that is a symlink inside the root is followed, as containerd and
+  umoci do (``lib -> usr/lib``, then ``lib/hello.txt`` lands in
+  ``usr/lib``); whiteouts and hard link targets are resolved the same way.
+  Absolute targets are read from the image root. See :mod:`.tree`.
 - Hard links name an entry of the same or an earlier layer; symlinks are kept
-  verbatim and never followed.
+  verbatim.
 - Modes (setuid, setgid, sticky included), numeric owners (names are ignored),
   mtimes (to the second), extended attributes (PAX ``SCHILY.xattr.*``,
   ``security.capability`` included), device nodes and fifos are kept.
@@ -22,39 +26,50 @@ Nothing is extracted on the host: the merge happens on a model (path ->
 in the build's own directory, never under a name taken from the layer. So a
 hostile layer cannot write anywhere, and is refused with
 :class:`HostileLayer`, which names the layer and the entry: a ``..``
-component, a write through a symlink, a hard link out of the root or to
-nothing, a NUL in a name, and sizes or counts beyond the limits below. A
-leading ``/`` or ``./`` is dropped, as the spec allows. Names with a line
-break are refused too: the disk writer (debugfs) reads its commands by line,
-and no image needs them.
+component, a symlinked parent whose target climbs out of the root or loops, a
+hard link out of the root or to nothing, a NUL or a line break in a name
+(the disk writer, debugfs, reads its commands by line), a GNU sparse entry
+(no image builder writes one), and sizes or counts beyond the limits below. A
+leading ``/`` or ``./`` is dropped, as the spec allows.
+
+Bounded work, whatever the input: every decompressed byte is counted. File
+contents count against :data:`MAX_TOTAL_BYTES`; everything else (headers,
+extended headers, padding, data of other entries, bytes after the tar's end)
+against :data:`MAX_METADATA_BYTES`. Extended headers are refused before they
+are read when they are bigger than :data:`MAX_HEADER_BYTES` or take the image
+past :data:`MAX_PAX_BYTES`, and a sparse entry before its map is read
+(:mod:`.tarfile_door`). A layer is read as a stream, once: its entries and
+whiteouts wait for their turn in two files of the build directory, not in
+memory, so memory grows with the merged tree only (about 400 bytes an entry).
 """
 
 from __future__ import annotations
 
 import bz2
 import contextlib
-import errno
 import gzip
-import importlib
 import lzma
 import os
-import shutil
-import subprocess
+import pickle
 import tarfile
-import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import IO, Final, Literal, Protocol
+from typing import IO, Any, BinaryIO, Final, Literal, NamedTuple, Protocol, cast
 
-from ...errors import HostileLayer, ImageError, ImageStoreFull, ImageToolMissing, LayerError
+from ... import zstdio
+from ...errors import HostileLayer, ImageError, ImageToolMissing, LayerError
+from . import store
+from .tarfile_door import HeaderLimits, Refused, entries, open_stream
+from .tree import KIND_NAMES, Kind, MergedTree, Node, Resolver, Unresolvable
 
 __all__ = [
     "MAX_ENTRIES",
+    "MAX_HEADER_BYTES",
+    "MAX_METADATA_BYTES",
     "MAX_NAME_BYTES",
     "MAX_PATH_BYTES",
+    "MAX_PAX_BYTES",
     "MAX_TOTAL_BYTES",
     "HostileLayer",
     "LayerBlob",
@@ -73,10 +88,19 @@ MAX_PATH_BYTES: Final = 3840
 MAX_NAME_BYTES: Final = 255
 #: Bytes of file content an image may hold, all layers together (each file's full size, replaced ones included).
 MAX_TOTAL_BYTES: Final = 64 << 30
+#: Decompressed bytes besides file contents an image's layers may hold, all together: headers (512 bytes an
+#: entry), extended headers, padding, data attached to other entries, and bytes after a tar's end.
+MAX_METADATA_BYTES: Final = 2 << 30
 #: Bytes of a symlink's target: what one ext4 block holds.
 MAX_TARGET_BYTES: Final = 4095
-#: Bytes of one PAX or GNU long-name header: tarfile reads it into memory, so a huge one is refused first.
-MAX_HEADER_BYTES: Final = 1 << 20
+#: Bytes of one PAX or GNU long-name header (tarfile reads it into memory whole): several times what the longest
+#: path, link target and largest extended attributes forkd accepts take.
+MAX_HEADER_BYTES: Final = 64 << 10
+#: Bytes of PAX headers an image may have, all layers together: tarfile parses them record by record, at a few
+#: MB/s for the shortest records, while an image's long names (its usual PAX records) take ~150 bytes an entry.
+MAX_PAX_BYTES: Final = 64 << 20
+#: Bytes of one layer's global PAX headers (tarfile copies them into every entry after them).
+MAX_GLOBAL_HEADER_BYTES: Final = 1024
 #: Room for one entry's extended attributes: one 4 KiB ext4 block, less its header and end marker.
 MAX_XATTR_BYTES: Final = 4096 - 32 - 4
 #: Largest uid/gid (2**32 - 1 means "none" to the kernel).
@@ -92,35 +116,28 @@ PAX_XATTR: Final = "SCHILY.xattr."
 WHITEOUT: Final = ".wh."
 OPAQUE: Final = ".wh..wh..opq"
 
-ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
 READ_CHUNK: Final = 1 << 20
+#: tarfile's read buffer in stream mode: it copies what is left of it on every read, so it stays small.
+TAR_BUFFER: Final = 16 << 10
+#: The files a layer's entries and whiteouts wait in (not numbers: content files are numbered).
+_SPILLS: Final = ("layer-entries", "layer-whiteouts")
 
-Kind = Literal["file", "dir", "symlink", "char", "block", "fifo"]
 Progress = Callable[[str], None]
 
 _KINDS: Final[dict[bytes, Kind]] = {
     tarfile.REGTYPE: "file",
     tarfile.AREGTYPE: "file",
     tarfile.CONTTYPE: "file",
-    tarfile.GNUTYPE_SPARSE: "file",
     tarfile.DIRTYPE: "dir",
     tarfile.SYMTYPE: "symlink",
     tarfile.CHRTYPE: "char",
     tarfile.BLKTYPE: "block",
     tarfile.FIFOTYPE: "fifo",
 }
-_KIND_NAMES: Final[dict[str, str]] = {
-    "file": "a regular file",
-    "dir": "a directory",
-    "symlink": "a symlink",
-    "char": "a character device",
-    "block": "a block device",
-    "fifo": "a fifo",
-}
 
 
 class LayerBlob(Protocol):
-    """What flattening needs of a pulled layer (``pull.Layer`` has it)."""
+    """What flattening needs of a pulled layer (``store.Layer`` has it)."""
 
     @property
     def digest(self) -> str: ...
@@ -133,48 +150,6 @@ class LayerBlob(Protocol):
 
     @property
     def path(self) -> Path: ...
-
-
-@dataclass(eq=False)
-class Node:
-    """One inode of the merged tree; hard links are one Node under several names.
-
-    ``blob`` holds a regular file's content (a file in the build directory,
-    None when empty); ``children`` is a directory's.
-    """
-
-    kind: Kind
-    mode: int  # permission bits, 0o7777
-    uid: int
-    gid: int
-    mtime: int
-    xattrs: dict[str, bytes] = field(default_factory=dict)
-    size: int = 0
-    blob: Path | None = None
-    target: str = ""  # a symlink's, verbatim
-    device: tuple[int, int] = (0, 0)  # major, minor
-    children: dict[str, Node] = field(default_factory=dict)
-    names: int = 0  # how many paths name this node
-
-
-@dataclass
-class MergedTree:
-    """An image's root after all its layers: the root directory and, below it, every entry."""
-
-    root: Node
-
-    def walk(self) -> Iterator[tuple[str, Node]]:
-        """Every ``(path, node)``, parents before children, names sorted; the root's path is ``""``.
-
-        Iterative: a hostile image may nest directories deeper than Python's recursion limit.
-        """
-        stack: list[tuple[str, Node]] = [("", self.root)]
-        while stack:
-            path, node = stack.pop()
-            yield path, node
-            if node.kind == "dir":
-                prefix = f"{path}/" if path else ""
-                stack.extend((prefix + name, child) for name, child in sorted(node.children.items(), reverse=True))
 
 
 def short_digest(digest: str) -> str:
@@ -204,30 +179,28 @@ def flatten(
     return MergedTree(merger.root)
 
 
-# ---------------------------------------------------------------------------------------------- reading
+# ---------------------------------------------------------------------------------------------- records
 
 
-@dataclass
-class _Entry:
-    """One tar entry, read and checked, waiting to be applied."""
+class _Entry(NamedTuple):
+    """One tar entry, read and checked, waiting (in a file) to be applied."""
 
     name: str  # as the tar has it, for messages
     parts: tuple[str, ...]
     kind: Kind | Literal["link"]
-    mode: int = 0
-    uid: int = 0
-    gid: int = 0
-    mtime: int = 0
-    xattrs: dict[str, bytes] = field(default_factory=dict)
+    mode: int
+    uid: int
+    gid: int
+    mtime: int
+    xattrs: tuple[tuple[str, bytes], ...] = ()
     size: int = 0
-    blob: Path | None = None
-    target: str = ""
+    blob: str | None = None
+    target: str = ""  # a symlink's target; a hard link's as written, for messages
     link: tuple[str, ...] = ()  # a hard link's target
     device: tuple[int, int] = (0, 0)
 
 
-@dataclass
-class _Whiteout:
+class _Whiteout(NamedTuple):
     """``.wh.NAME`` (``hidden`` is NAME) or ``.wh..wh..opq`` (``hidden`` is None) in directory ``directory``."""
 
     name: str
@@ -235,39 +208,73 @@ class _Whiteout:
     hidden: str | None
 
 
-class _OversizedHeader(tarfile.HeaderError):
-    pass
+class _Spill:
+    """Records written one after another to a file, read back in order: a layer's entries wait here, not in RAM."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.out: BinaryIO = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb")
+
+    def add(self, record: tuple[Any, ...]) -> None:
+        self.out.write(pickle.dumps(tuple(record), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def replay(self) -> Iterator[tuple[Any, ...]]:
+        self.out.close()
+        with open(self.path, "rb", buffering=READ_CHUNK) as reader:
+            while True:
+                try:
+                    record: tuple[Any, ...] = pickle.load(reader)  # noqa: S301 - our own file, written just now
+                except EOFError:
+                    return
+                yield record
+
+    def remove(self) -> None:
+        self.out.close()
+        self.path.unlink(missing_ok=True)
 
 
-class _BoundedTarInfo(tarfile.TarInfo):
-    """A TarInfo that refuses a long-name or PAX header bigger than :data:`MAX_HEADER_BYTES` before reading it."""
+class _Counted:
+    """The decompressed layer, every byte counted against the image's limits as tarfile reads it."""
 
-    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:
-        if self.type in _HEADER_TYPES and self.size > MAX_HEADER_BYTES:
-            raise _OversizedHeader(f"a {self.size}-byte extended header (at most {MAX_HEADER_BYTES} are read)")
-        result: tarfile.TarInfo = super()._proc_member(archive)  # type: ignore[misc]
-        return result
+    def __init__(self, raw: IO[bytes], merger: _Merger) -> None:
+        self.raw = raw
+        self.merger = merger
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size if size >= 0 else READ_CHUNK)
+        self.merger.count(len(data))
+        return data
 
 
-_HEADER_TYPES: Final = (
-    tarfile.XHDTYPE,
-    tarfile.XGLTYPE,
-    tarfile.SOLARIS_XHDTYPE,
-    tarfile.GNUTYPE_LONGNAME,
-    tarfile.GNUTYPE_LONGLINK,
-)
+# ---------------------------------------------------------------------------------------------- merging
 
 
 class _Merger:
     """The merged tree being built, layer by layer, and the counters the limits apply to."""
 
     def __init__(self, workdir: Path, folder: Path) -> None:
-        self.root = Node("dir", 0o755, 0, 0, 0, names=1)
+        self.root = Node.directory()
+        self.root.names = 1
+        self.resolver = Resolver(self.root, max_path_bytes=MAX_PATH_BYTES)
         self.blobs = workdir
         self.folder = folder
         self.entries = 0
-        self.content = 0
+        self.content = 0  # bytes of file content, all layers
+        self.streamed = 0  # decompressed bytes, all layers
+        self.limits = HeaderLimits(
+            header_bytes=MAX_HEADER_BYTES, global_bytes=MAX_GLOBAL_HEADER_BYTES, pax_bytes_left=MAX_PAX_BYTES
+        )
         self.label = ""
+
+    def count(self, size: int) -> None:
+        """``size`` more decompressed bytes; past the metadata limit (a read's worth of slack) the image is refused."""
+        self.streamed += size
+        if self.streamed - self.content > MAX_METADATA_BYTES + READ_CHUNK:
+            raise HostileLayer(
+                f"layer {self.label} takes the image past the {MAX_METADATA_BYTES >> 20:,} MiB of decompressed "
+                "tar data besides file contents (headers, extended headers, padding, data of other entries, bytes "
+                "after the end) an image may have; the image is refused"
+            )
 
     # -- one layer
 
@@ -278,31 +285,61 @@ class _Merger:
                 f"layer {self.label} has media type {layer.media_type!r}, not a tar layer; forkd reads "
                 "uncompressed, gzip and zstd tar layers (encrypted or foreign layers are not supported)"
             )
-        entries: list[_Entry] = []
-        whiteouts: list[_Whiteout] = []
+        spills: list[_Spill] = []
         try:
-            with (
-                _decompressed(layer.path) as stream,
-                tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo, bufsize=READ_CHUNK) as tar,
-            ):
-                for member in tar:
-                    read = self._read(member, tar)
-                    if isinstance(read, _Whiteout):
-                        whiteouts.append(read)
-                    elif read is not None:
-                        entries.append(read)
+            try:
+                spills = [_Spill(self.blobs / name) for name in _SPILLS]
+            except OSError as exc:
+                raise self._write_failure(exc) from None
+            waiting, whiteouts = spills
+            replaced = self._read_layer(layer, waiting, whiteouts)
+            for record in whiteouts.replay():
+                self._whiteout(_Whiteout._make(record), replaced)
+            for record in waiting.replay():
+                self._apply(_Entry._make(record))
+        finally:
+            for spill in spills:
+                spill.remove()
+
+    def _read_layer(self, layer: LayerBlob, waiting: _Spill, whiteouts: _Spill) -> frozenset[tuple[str, ...]]:
+        """Read and check every entry of ``layer`` into the spills; the symlinks it replaces with directories."""
+        replaced: set[tuple[str, ...]] = set()
+        try:
+            with _decompressed(layer.path, self.label) as raw:
+                counted = _Counted(raw, self)
+                with open_stream(cast(IO[bytes], counted), limits=self.limits, bufsize=TAR_BUFFER) as tar:
+                    for member in entries(tar):
+                        read = self._read(member, tar)
+                        try:
+                            if isinstance(read, _Whiteout):
+                                whiteouts.add(read)
+                            elif read is not None:
+                                waiting.add(read)
+                        except OSError as exc:
+                            raise self._write_failure(exc) from None
+                        if isinstance(read, _Entry) and read.kind == "dir" and self._is_symlink(read.parts):
+                            replaced.add(read.parts)
+                while counted.read(READ_CHUNK):
+                    pass  # the rest (after the tar's end) must still decompress, and counts
+        except Refused as refused:
+            raise self._refuse(refused.name, refused.problem) from None
         # gzip.BadGzipFile and bz2's errors are OSErrors; a failed content write is an ImageError instead.
-        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
+        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, _Damaged) as exc:
             raise LayerError(
                 f"layer {self.label} is not a readable tar stream ({_reason(exc)}); "
                 f"delete {layer.path} and pull the image again"
             ) from None
-        # A directory replacing a symlink often comes with an opaque marker (overlayfs makes it opaque).
-        replaced = frozenset(entry.parts for entry in entries if entry.kind == "dir")
-        for whiteout in whiteouts:
-            self._whiteout(whiteout, replaced)
-        for entry in entries:
-            self._apply(entry)
+        return frozenset(replaced)
+
+    def _is_symlink(self, parts: tuple[str, ...]) -> bool:
+        """Whether the tree below this layer has a symlink at ``parts`` itself (through real directories only)."""
+        node = self.root
+        for part in parts:
+            child = node.children.get(part) if node.children is not None else None
+            if child is None:
+                return False
+            node = child
+        return node.kind == "symlink"
 
     def _refuse(self, name: str, problem: str) -> HostileLayer:
         return HostileLayer(f"layer {self.label}: entry {name!r} {problem}; the image is refused")
@@ -325,27 +362,22 @@ class _Merger:
             if not hidden:
                 raise self._refuse(name, "is a whiteout that names nothing")
             return _Whiteout(name, parts[:-1], hidden)
-        entry = _Entry(name, parts, "file")
-        self._metadata(member, entry)
+        mode, uid, gid, mtime, xattrs = self._metadata(member)
         if member.islnk():
-            entry.kind = "link"
             link = member.linkname
             if "\x00" in link:
                 raise self._refuse(name, f"is a hard link whose target {link!r} contains a NUL byte")
-            entry.link = self._parts(name, link, what=f"is a hard link to {link!r}, which")
-            entry.target = link  # as written, for messages
-            if not entry.link:
+            linked = self._parts(name, link, what=f"is a hard link to {link!r}, which")
+            if not linked:
                 raise self._refuse(name, "is a hard link to the image root")
-            return entry
+            return _Entry(name, parts, "link", mode, uid, gid, mtime, xattrs, target=link, link=linked)
         kind = _KINDS.get(member.type)
         if kind is None:
             raise self._refuse(name, f"has the tar type {member.type!r}, which no image needs")
-        entry.kind = kind
         if kind == "file":
-            entry.size = member.size
-            if member.size:
-                entry.blob = self._store(name, member, tar)
-        elif kind == "symlink":
+            blob = self._store(name, member, tar) if member.size else None
+            return _Entry(name, parts, kind, mode, uid, gid, mtime, xattrs, size=member.size, blob=blob)
+        if kind == "symlink":
             target = member.linkname
             if not target:
                 raise self._refuse(name, "is a symlink with an empty target")
@@ -353,13 +385,13 @@ class _Merger:
                 raise self._refuse(name, "is a symlink whose target contains a NUL byte")
             if len(os.fsencode(target)) > MAX_TARGET_BYTES:
                 raise self._refuse(name, f"is a symlink whose target is longer than {MAX_TARGET_BYTES} bytes")
-            entry.target = target
-        elif kind in ("char", "block"):
+            return _Entry(name, parts, kind, mode, uid, gid, mtime, xattrs, target=target)
+        if kind in ("char", "block"):
             major, minor = member.devmajor, member.devminor
             if not (0 <= major < 1 << 12 and 0 <= minor < 1 << 20):
                 raise self._refuse(name, f"is a device {major}:{minor}, beyond Linux's device numbers")
-            entry.device = (major, minor)
-        return entry
+            return _Entry(name, parts, kind, mode, uid, gid, mtime, xattrs, device=(major, minor))
+        return _Entry(name, parts, kind, mode, uid, gid, mtime, xattrs)
 
     def _parts(self, name: str, path: str, what: str = "") -> tuple[str, ...]:
         """``path`` as components, a leading ``/`` or ``./`` dropped; escaping or absurd paths refused."""
@@ -367,19 +399,20 @@ class _Merger:
             raise self._refuse(name, "contains a NUL byte")
         if "\n" in path or "\r" in path:
             raise self._refuse(name, "has a line break in its name, which the disk writer (debugfs) cannot express")
+        if len(os.fsencode(path)) > MAX_PATH_BYTES:
+            raise self._refuse(name, f"has a path longer than {MAX_PATH_BYTES} bytes")
         parts = tuple(part for part in path.split("/") if part not in ("", "."))
         if ".." in parts:
             raise self._refuse(name, f"{what} escapes the image root" if what else "escapes the image root")
-        if len(os.fsencode("/".join(parts))) > MAX_PATH_BYTES:
-            raise self._refuse(name, f"has a path longer than {MAX_PATH_BYTES} bytes")
         if any(len(os.fsencode(part)) > MAX_NAME_BYTES for part in parts):
             raise self._refuse(name, f"has a name longer than {MAX_NAME_BYTES} bytes")
         return parts
 
-    def _metadata(self, member: tarfile.TarInfo, entry: _Entry) -> None:
+    def _metadata(self, member: tarfile.TarInfo) -> tuple[int, int, int, int, tuple[tuple[str, bytes], ...]]:
+        """Mode, owner, mtime and the kept extended attributes of ``member``."""
         if not (0 <= member.uid <= MAX_ID and 0 <= member.gid <= MAX_ID):
             raise self._refuse(member.name, f"has the owner {member.uid}:{member.gid}, beyond Linux's ids")
-        xattrs: dict[str, bytes] = {}
+        xattrs: list[tuple[str, bytes]] = []
         for key, value in member.pax_headers.items():
             if not key.startswith(PAX_XATTR):
                 continue
@@ -391,21 +424,21 @@ class _Merger:
             if len(os.fsencode(attribute)) > 255 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in attribute):
                 raise self._refuse(member.name, f"has the extended attribute name {attribute!r}, which Linux refuses")
             # tarfile decodes PAX values as UTF-8 with surrogate escapes: encoding them back gives the bytes.
-            xattrs[attribute] = value.encode("utf-8", "surrogateescape")
-        room = sum(16 + _round4(len(os.fsencode(key))) + _round4(len(value)) for key, value in xattrs.items())
+            xattrs.append((attribute, value.encode("utf-8", "surrogateescape")))
+        room = sum(16 + _round4(len(os.fsencode(key))) + _round4(len(value)) for key, value in xattrs)
         if room > MAX_XATTR_BYTES:
             raise self._refuse(member.name, "has extended attributes that do not fit one 4 KiB ext4 block")
-        entry.mode, entry.uid, entry.gid, entry.xattrs = member.mode & 0o7777, member.uid, member.gid, xattrs
-        entry.mtime = min(max(int(member.mtime), 0), 2**32 - 1)
+        mtime = min(max(int(member.mtime), 0), 2**32 - 1)
+        return member.mode & 0o7777, member.uid, member.gid, mtime, tuple(sorted(xattrs))
 
-    def _store(self, name: str, member: tarfile.TarInfo, tar: tarfile.TarFile) -> Path:
+    def _store(self, name: str, member: tarfile.TarInfo, tar: tarfile.TarFile) -> str:
         """Copy a regular file's content to a numbered file of the build directory."""
         self.content += member.size
         if self.content > MAX_TOTAL_BYTES:
             raise self._refuse(name, f"takes the image past the {MAX_TOTAL_BYTES >> 30} GiB of files it may hold")
         source = tar.extractfile(member)
         assert source is not None  # a regular file
-        blob = self.blobs / str(self.entries)
+        blob = os.path.join(self.blobs, str(self.entries))
         try:
             out = open(os.open(blob, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb")
         except OSError as exc:
@@ -423,13 +456,14 @@ class _Merger:
         return blob
 
     def _write_failure(self, exc: OSError) -> ImageError:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return ImageStoreFull(no_space_text(self.folder, f"unpacking layer {self.label}"))
-        return ImageError(f"unpacking layer {self.label} into {self.folder} failed: {exc.strerror or exc}")
+        doing = f"unpacking layer {self.label}"
+        return store.unwritable_error(exc, self.folder, doing) or ImageError(
+            f"{doing} into {self.folder} failed: {exc.strerror or exc}"
+        )
 
     # -- applying
 
-    def _walk(
+    def _resolve(
         self,
         name: str,
         directory: tuple[str, ...],
@@ -437,59 +471,42 @@ class _Merger:
         create: bool,
         mtime: int = 0,
         replaced: frozenset[tuple[str, ...]] = frozenset(),
-    ) -> Node | None:
-        """The directory ``directory`` names, made when missing if ``create``; None when it is not there.
-
-        Refuses to go through a symlink: an entry under one would land wherever
-        it points. A symlink the layer replaces with a directory (``replaced``)
-        has nothing below it for a whiteout to hide: the walk ends there.
-        """
-        node = self.root
-        for depth, part in enumerate(directory):
-            child = node.children.get(part)
-            if child is None:
-                if not create:
-                    return None
-                child = Node("dir", 0o755, 0, 0, mtime, names=1)
-                node.children[part] = child
-            elif child.kind == "symlink":
-                if directory[: depth + 1] in replaced:
-                    return None
-                through = "/".join(directory[: depth + 1])
-                raise self._refuse(name, f"would be written through the symlink {through!r}")
-            elif child.kind != "dir":
-                if not create:
-                    return None
-                where = "/".join(directory[: depth + 1])
-                raise self._refuse(
-                    name, f"needs {where!r} to be a directory, but an earlier entry made it {_KIND_NAMES[child.kind]}"
-                )
-            node = child
-        return node
+    ) -> tuple[Node, tuple[str, ...]] | None:
+        try:
+            return self.resolver.directory(directory, create=create, mtime=mtime, replaced=replaced)
+        except Unresolvable as exc:
+            raise self._refuse(name, exc.problem) from None
 
     def _whiteout(self, whiteout: _Whiteout, replaced: frozenset[tuple[str, ...]]) -> None:
-        directory = self._walk(whiteout.name, whiteout.directory, create=False, replaced=replaced)
-        if directory is None:
+        found = self._resolve(whiteout.name, whiteout.directory, create=False, replaced=replaced)
+        if found is None or found[0].children is None:
             return  # nothing below to hide
+        children = found[0].children
         if whiteout.hidden is None:
-            for child in directory.children.values():
+            for child in children.values():
                 self._unbind(child)
-            directory.children.clear()
-            return
-        hidden = directory.children.pop(whiteout.hidden, None)
-        if hidden is not None:
+            children.clear()
+        else:
+            hidden = children.pop(whiteout.hidden, None)
+            if hidden is None:
+                return
             self._unbind(hidden)
+        self.resolver.changed()
 
     def _apply(self, entry: _Entry) -> None:
         if not entry.parts:
             if entry.kind != "dir":
-                raise self._refuse(entry.name, f"replaces the image root with {_KIND_NAMES.get(entry.kind, 'a link')}")
+                raise self._refuse(entry.name, f"replaces the image root with {KIND_NAMES.get(entry.kind, 'a link')}")
             self._set_metadata(self.root, entry)
             return
-        parent = self._walk(entry.name, entry.parts[:-1], create=True, mtime=entry.mtime)
-        assert parent is not None  # made when missing
+        found = self._resolve(entry.name, entry.parts[:-1], create=True, mtime=entry.mtime)
+        assert found is not None  # made when missing
+        children, where = found[0].children, found[1]
+        assert children is not None  # the resolver returns directories only
         name = entry.parts[-1]
-        existing = parent.children.get(name)
+        if where != entry.parts[:-1] and len(os.fsencode("/".join((*where, name)))) > MAX_PATH_BYTES:
+            raise self._refuse(entry.name, f"resolves to a path longer than {MAX_PATH_BYTES} bytes")
+        existing = children.get(name)
         if entry.kind == "link":
             node = self._link_target(entry)
             if node is existing:
@@ -509,16 +526,18 @@ class _Merger:
                 blob=entry.blob,
                 target=entry.target,
                 device=entry.device,
+                children={} if entry.kind == "dir" else None,
             )
         if existing is not None:
             self._unbind(existing)
-        parent.children[name] = node
+            self.resolver.changed()
+        children[name] = node
         node.names += 1
 
     def _link_target(self, entry: _Entry) -> Node:
         shown = entry.target
-        directory = self._walk(entry.name, entry.link[:-1], create=False)
-        target = directory.children.get(entry.link[-1]) if directory is not None else None
+        found = self._resolve(entry.name, entry.link[:-1], create=False)
+        target = found[0].entries.get(entry.link[-1]) if found is not None else None
         if target is None:
             raise self._refuse(entry.name, f"is a hard link to {shown!r}, which no earlier entry created")
         if target.kind == "dir":
@@ -542,11 +561,12 @@ class _Merger:
         while stack:
             current = stack.pop()
             current.names -= 1
-            if current.kind == "dir":
+            if current.children is not None:
                 stack.extend(current.children.values())
                 current.children = {}
             elif current.names == 0 and current.blob is not None:
-                current.blob.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(current.blob)
                 current.blob = None
 
 
@@ -559,87 +579,37 @@ def _reason(exc: BaseException) -> str:
     return text[:200]
 
 
-def no_space_text(folder: Path, doing: str) -> str:
-    """The one line for a full filesystem: which folder, and what to do."""
-    return (
-        f"no space left in {folder} while {doing}: free space there (forkd image prune removes unused "
-        "layers and disks) or set FORKD_CACHE_DIR to a folder with more room, and try again"
-    )
-
-
 # ---------------------------------------------------------------------------------------------- decompression
 
 
+class _Damaged(Exception):
+    """A compressed layer that does not decompress to its end (the zstd tool or module says why)."""
+
+
 @contextlib.contextmanager
-def _decompressed(path: Path) -> Iterator[IO[bytes]]:
+def _decompressed(path: Path, label: str) -> Iterator[IO[bytes]]:
     """The tar stream of the layer blob at ``path``: its magic bytes say how it is compressed."""
     with open(path, "rb") as raw:
         magic = raw.read(6)
         raw.seek(0)
         if magic.startswith(b"\x1f\x8b"):
             with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
-                yield unzipped  # type: ignore[misc]  # a GzipFile is a binary stream
-        elif magic.startswith(ZSTD_MAGIC):
-            with _zstd_decompressed(path) as unzstd:
+                yield cast(IO[bytes], unzipped)
+        elif zstdio.is_zstd(magic):
+            with zstdio.decompressing(path, error=_Damaged, missing=_tool_missing(label)) as unzstd:
                 yield unzstd
         elif magic.startswith(b"BZh"):
             with bz2.BZ2File(raw) as unbzipped:
-                yield unbzipped
+                yield cast(IO[bytes], unbzipped)
         elif magic.startswith(b"\xfd7zXZ\x00"):
             with lzma.LZMAFile(raw) as unxzed:
-                yield unxzed
+                yield cast(IO[bytes], unxzed)
         else:
             yield raw
 
 
-@contextlib.contextmanager
-def _zstd_decompressed(path: Path) -> Iterator[IO[bytes]]:
-    """A zstd blob decompressed by the ``zstd`` tool, else the ``zstandard`` module (as snapshot archives are).
+def _tool_missing(label: str) -> Callable[[str], BaseException]:
+    def missing(message: str) -> BaseException:
+        return ImageToolMissing(f"layer {label}: {message}")
 
-    The standard library has no zstd before Python 3.14.
-    """
-    if shutil.which("zstd"):
-        with tempfile.TemporaryFile() as errors:
-            process = subprocess.Popen(
-                ["zstd", "-q", "-d", "-c", "--", str(path)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=errors,
-            )
-            assert process.stdout is not None
-            try:
-                yield process.stdout
-                while process.stdout.read(READ_CHUNK):
-                    pass  # the rest (after the tar's end) must still decompress
-            except BaseException:
-                process.kill()
-                raise
-            finally:
-                process.stdout.close()
-                status = process.wait()
-            if status != 0:
-                errors.seek(0)
-                said = " ".join(errors.read().decode(errors="replace").split())[-200:]
-                raise EOFError(f"zstd says {said or f'exit status {status}'}")
-        return
-    zstandard = _zstandard()
-    if zstandard is None:
-        raise ImageToolMissing(
-            f"{path.name} is a zstd layer and neither the zstd tool nor the zstandard module is available; "
-            "install one (`sudo apt-get install zstd`, or `pip install 'pytest-forkd[archive]'`)"
-        )
-    with open(path, "rb") as raw:
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        try:
-            yield reader
-            while reader.read(READ_CHUNK):
-                pass
-        except zstandard.ZstdError as exc:
-            raise EOFError(f"zstd: {exc}") from None
-
-
-def _zstandard() -> ModuleType | None:
-    try:
-        return importlib.import_module("zstandard")
-    except ImportError:
-        return None
+    return missing

@@ -8,6 +8,11 @@ no indexed image has, unless the caller keeps it (a disk a published guest
 image still boots from). The layout's own ``index.json`` keeps only the
 entries of indexed references. All of it under the store lock, so no pull
 writes meanwhile.
+
+Then what this store's Dockerfile builds left in the builders' own storage
+(see :mod:`.builder_storage`): the images tagged ``localhost/forkd-build/...``
+and the base images a build made the builder pull, each removed with the
+builder's ``rmi`` (an image something else still uses stays).
 """
 
 from __future__ import annotations
@@ -34,17 +39,26 @@ class PruneResult:
     removed: list[tuple[Path, int]] = field(default_factory=list)  # (path, size in bytes)
     blobs: int = 0
     disks: int = 0
+    builder_images: list[tuple[str, str]] = field(default_factory=list)
+    """(builder, image name) removed from a builder's storage (or, in a dry run, that would be)."""
 
     @property
     def freed(self) -> int:
         return sum(size for _path, size in self.removed)
 
 
-def prune_store(*, keep_disks_of: Iterable[str] = (), dry_run: bool = False) -> PruneResult:
-    """Remove (or with ``dry_run`` only list) unused blobs and disks; ``keep_disks_of`` are digests to keep."""
+def prune_store(*, keep_disks_of: Iterable[str] = (), dry_run: bool = False, builders: bool = True) -> PruneResult:
+    """Remove (or with ``dry_run`` only list) unused blobs and disks; ``keep_disks_of`` are digests to keep.
+
+    ``builders``: also what forkd's builds left in the builders' storage.
+    """
     result = PruneResult()
     if not store_dir().is_dir():
         return result
+    if builders:
+        from .builder_storage import remove_leftovers
+
+        result.builder_images = [(left.builder, left.image) for left in remove_leftovers(dry_run=dry_run)]
     with store_lock():
         index = read_index()
         digests = {entry["digest"] for entry in index.values()}

@@ -5,8 +5,11 @@ linux/amd64 image of a reference (``docker://``, ``oci:``, ``oci-archive:``,
 ``docker-archive:``; ``dockerfile:`` builds first, see :mod:`.builders`)
 into the store's one OCI layout, where blobs are kept by digest and shared
 between images (skopeo does not download a blob the layout already has).
-Then forkd hashes the manifest, the config and every layer itself before the
-image is entered in the index (see :mod:`.store`).
+From a registry, a tag is read once and the copy asks for the digest it
+named, so a tag that moves meanwhile cannot mix two images (:mod:`.importer`).
+Then forkd hashes the manifest, the config and every layer itself (each blob
+once, whatever the number of processes) before the image is entered in the
+index (see :mod:`.store`).
 
 Pull policies, as in Docker: ``missing`` (the default) uses an image pulled
 before without any network access; ``always`` asks the source again (a moved
@@ -76,7 +79,7 @@ def pull_image(
     if ref.transport == "dockerfile":
         from .builders import build_dockerfile
 
-        return build_dockerfile(Path(ref.location), policy=policy, progress=progress)
+        return build_dockerfile(Path(ref.location), policy=policy, progress=progress, pinned=ref.digest)
     key = str(ref)
     stamp = source_stamp(ref) if ref.is_local and policy != "never" else None
     if policy != "always":

@@ -17,7 +17,14 @@ must mean the same from any working directory.
 
 References come from configs and command lines, so hostile text (control
 characters, absurd lengths, malformed digests) is refused here, with one line
-that says what is wrong and shows the accepted forms.
+that says what is wrong and shows the accepted forms. A transport forkd does
+not know (``dokcer://x``, ``ocii:./dir``) is named as such, with the known
+ones, rather than read as a malformed Docker name.
+
+:func:`names_container_image` tells a container reference from a forkd image
+name where both may be given (``forkd exec --image``): a transport, or any of
+``/ : . @`` (which no image name holds), means a reference read as Docker
+reads it; a plain word is an image name.
 """
 
 from __future__ import annotations
@@ -26,9 +33,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from ...errors import InvalidArgument
+from ...errors import InvalidArgument, did_you_mean
 
-__all__ = ["TRANSPORTS", "ImageReference", "is_reference", "parse_reference"]
+__all__ = ["TRANSPORTS", "ImageReference", "is_reference", "names_container_image", "parse_reference"]
 
 TRANSPORTS = ("docker", "oci", "oci-archive", "docker-archive", "dockerfile")
 #: The prefix each transport is written with, longest first so ``oci-archive:`` is not read as ``oci:``.
@@ -63,6 +70,10 @@ _OCI_REF_NAME = re.compile(
     r"[A-Za-z0-9]+(?:(?:[-._:@+]|--)[A-Za-z0-9]+)*(?:/[A-Za-z0-9]+(?:(?:[-._:@+]|--)[A-Za-z0-9]+)*)*"
 )
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# What reads as a transport: a word, a colon, then a path or ``//`` (a Docker name never has a tag starting so).
+_TRANSPORT_LIKE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(?=/|~|\.)")
+#: URL schemes: a registry named as a URL gets its own advice (see _parse_docker).
+_URL_SCHEMES = ("http", "https")
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,8 @@ class ImageReference:
             return text
         if self.tag:
             return f"{self.transport}:{self.location}:{self.tag}"
+        if self.digest:  # dockerfile:PATH@sha256:KEY, one build of PATH (KEY: what it was built from)
+            return f"{self.transport}:{self.location}@{self.digest}"
         return f"{self.transport}:{self.location}"
 
     @property
@@ -117,6 +130,18 @@ def is_reference(text: str) -> bool:
     return isinstance(text, str) and any(text.startswith(prefix) for prefix, _ in PREFIXES)
 
 
+def names_container_image(text: str) -> bool:
+    """True when ``text`` is a container reference rather than a forkd image name (``default``, ``tools``).
+
+    A transport prefix says so (:func:`is_reference`), and so does any of
+    ``/ : . @`` or ``://``: forkd image names hold none of them, and the bare
+    references of ``--forkd-image`` and compose files (``127.0.0.1:5000/x:1``,
+    ``python:3.12``) always hold one. A plain word (``busybox``) stays an image
+    name; Docker Hub's image of that name is ``busybox:latest`` or ``docker://busybox``.
+    """
+    return isinstance(text, str) and (is_reference(text) or any(mark in text for mark in "/:.@"))
+
+
 def parse_reference(text: str, *, bare: str | None = "docker") -> ImageReference:
     """Parse an image reference, raising InvalidArgument (one line) when it is malformed.
 
@@ -143,11 +168,30 @@ def parse_reference(text: str, *, bare: str | None = "docker") -> ImageReference
             if transport == "docker":
                 return _parse_docker(rest, text)
             return _parse_local(transport, rest, text)
+    _refuse_unknown_transport(text)
     if bare is None:
         raise InvalidArgument(f"{_shown(text)} names no transport; use {ACCEPTED_FORMS}")
     if bare != "docker":
         raise ValueError(f"bare must be 'docker' or None, not {bare!r}")
     return _parse_docker(text, text)
+
+
+def _refuse_unknown_transport(text: str) -> None:
+    """InvalidArgument naming the transport when ``text`` starts like one forkd does not know (``dokcer://x``)."""
+    match = _TRANSPORT_LIKE.match(text)
+    if match is None or match.group(1).lower() in _URL_SCHEMES:
+        return
+    word = match.group(1)
+    prefixes = {transport: prefix for prefix, transport in PREFIXES}
+    if word in prefixes:  # a known transport wrongly joined (docker:/x); oci:/x was parsed before
+        hint = f"write {prefixes[word]}..."
+    else:
+        hint = did_you_mean(word, TRANSPORTS).rstrip() or "check the spelling"
+    raise InvalidArgument(
+        f"unknown transport {word!r} in the image reference {_shown(text)} ({hint}); the transports are "
+        f"{', '.join(prefixes[transport] for transport in TRANSPORTS)}, and a reference without one "
+        "(NAME[:TAG], REGISTRY/NAME[:TAG]) means docker://"
+    )
 
 
 def _shown(text: str) -> str:
@@ -211,11 +255,14 @@ def _parse_local(transport: str, rest: str, text: str) -> ImageReference:
     if not rest:
         raise _fail(text, f"{transport}: needs a path")
     path, colon, tag = rest, "", ""
+    build: str | None = None
+    if transport == "dockerfile" and _DIGEST.fullmatch(rest.rpartition("@")[2]):
+        path, _at, build = rest.rpartition("@")  # a build of the Dockerfile, keyed by its inputs (builders.py)
     if transport in ("oci", "oci-archive"):
         path, colon, tag = rest.partition(":")
         if colon and not _OCI_REF_NAME.fullmatch(tag):
             raise _fail(text, f"the image name {tag[:80]!r} after the path is not a valid OCI image name")
-    elif ":" in rest:
+    elif ":" in path:
         raise _fail(text, f"a {transport}: path cannot contain ':' (skopeo reads what follows as an image name)")
     if not path:
         raise _fail(text, f"{transport}: needs a path")
@@ -224,4 +271,4 @@ def _parse_local(transport: str, rest: str, text: str) -> ImageReference:
     location = os.path.abspath(os.path.expanduser(path))
     if ":" in location:
         raise _fail(text, f"the absolute path {location!r} contains ':', which skopeo cannot read; move it")
-    return ImageReference(transport, location, tag=tag or None)
+    return ImageReference(transport, location, tag=tag or None, digest=build)

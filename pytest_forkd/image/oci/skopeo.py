@@ -27,11 +27,11 @@ from ...errors import (
     ForkdError,
     ImageError,
     ImageNotFound,
-    ImageStoreFull,
     ImageToolMissing,
     RegistryAuthRequired,
     RegistryUnreachable,
 )
+from .store import unwritable_error
 
 __all__ = ["classify", "last_message", "platform_of", "run", "scrub", "skopeo_binary", "start"]
 
@@ -164,10 +164,9 @@ def classify(stderr: str, *, source: str, registry: str | None, store: Path) -> 
     message = last_message(stderr)
     lowered = message.lower()
     digest = re.search(r"expected (sha256:[a-f0-9]{64})", message) or re.search(r"(sha256:[a-f0-9]{64})", message)
-    if "no space left on device" in lowered or "disk quota exceeded" in lowered:
-        return ImageStoreFull(
-            f"no space left in {store} while pulling {source}; free some space (or run `forkd image prune`) and retry"
-        )
+    unwritable = unwritable_error(message, store, f"pulling {source}")
+    if unwritable is not None:  # a full filesystem, a quota, or a read-only one
+        return unwritable
     if "digest did not match" in lowered or "digest mismatch" in lowered or "does not match digest" in lowered:
         named = digest.group(1) if digest else "a blob"
         return DigestMismatch(

@@ -7,7 +7,9 @@ Layout under the forkd cache (``paths.cache_dir() / "oci"``)::
                         shared by every image that has them
     images.json         the index: canonical reference -> manifest digest, pulled time
     disks/<hex>.ext4    read-only disks, one per image digest (built from the layers)
+    verified/<hex>      a blob's stat when it was last hashed (see below)
     .store.lock         held while anything writes the layout or the index
+    .store.lock.owner   who holds it: pid, since when, what for (for the processes that wait)
 
 Only the index says what is pulled: a reference is listed once its manifest,
 config and every layer are in the layout and have been hashed against their
@@ -16,6 +18,22 @@ interrupted may leave verified blobs behind (the next pull reuses them,
 ``forkd image prune`` removes them), but never an entry: nothing half-pulled
 is listed or used. Everything is private to its owner (directories 0700,
 files 0600), as the rest of the cache is.
+
+The lock is waited for with a deadline and a progress line naming the
+process that holds it (:class:`StoreLock`); its holder marks its progress on
+the owner file, and a holder that shows none for :data:`LOCK_STALL_SECONDS`
+is given up on, with the pid to stop.
+
+Blobs are content-addressed and written once (skopeo renames a complete
+blob into place), so a blob hashed once need not be hashed again while it is
+the same file: :func:`verify_blob` remembers, in this process and in
+``verified/<hex>`` for the next ones (each pytest-xdist worker), the size,
+modification and change times (nanoseconds), inode and device of the file it
+hashed, and trusts them while they match. Writing into a blob changes its
+change time, which no user can set back; replacing it changes its inode. A
+stat taken in the same clock tick as the blob's last change proves nothing
+(a write in that tick would keep the time), so such a blob is hashed again
+next time.
 """
 
 from __future__ import annotations
@@ -26,17 +44,20 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, get_args
+from types import TracebackType
+from typing import Any, Final, Literal, get_args
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
-from ... import paths, private
+from ... import paths, private, processes
 from ...errors import DigestMismatch, ImageError, ImageStoreFull, InvalidArgument, NoMatchingPlatform
+from ...filesystems import Remedy, is_read_only, unwritable_text
+from ...waiting import poll_until
 
 __all__ = [
     "ImageConfig",
@@ -54,6 +75,22 @@ __all__ = [
 INDEX_FORMAT = 1
 INDEX_FILE = "images.json"
 LOCK_FILE = ".store.lock"
+OWNER_FILE = ".store.lock.owner"
+VERIFIED = "verified"
+#: How long a process waits for the store lock at most, however its holder progresses.
+LOCK_TIMEOUT: Final = 2 * 3600.0
+#: How long a holder may show no progress before a waiting process gives up on it.
+LOCK_STALL_SECONDS: Final = 600.0
+#: How often a waiting process says again that it waits.
+LOCK_REPORT_SECONDS: Final = 30.0
+#: A stat this close to a blob's last change (file times move by clock ticks of up to 10 ms) is not trusted.
+RACY_NS: Final = 50_000_000
+#: What to do when the image store's filesystem is full or read-only.
+STORE_REMEDY: Final = Remedy(
+    room="free space there (`forkd image prune` removes unused layers and disks) or set FORKD_CACHE_DIR to a "
+    "folder with more room, and try again",
+    elsewhere="set FORKD_CACHE_DIR to a folder on a writable filesystem, and try again",
+)
 LAYOUT = "layout"
 DISKS = "disks"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -141,23 +178,147 @@ def blob_path(digest: str) -> Path:
     return layout_dir() / "blobs" / "sha256" / hexdigest
 
 
-def store_lock() -> FileLock:
-    """The lock every writer of the layout or the index holds (pulls of several workers run one at a time)."""
-    private.make_dir(store_dir())
-    return FileLock(str(store_dir() / LOCK_FILE), mode=private.FILE_MODE)
+def unwritable_error(failure: BaseException | str, folder: Path, doing: str) -> ImageError | None:
+    """The error for a write into the image store that found no room (ImageStoreFull) or a read-only filesystem
+    (ImageError), naming ``folder`` and the fix; None for any other failure (``failure`` is an exception or what
+    a tool printed)."""
+    text = unwritable_text(failure, folder, doing, STORE_REMEDY)
+    if text is None:
+        return None
+    return ImageError(text) if is_read_only(failure) else ImageStoreFull(text)
 
 
 @contextmanager
 def disk_full_as_error(folder: Path, what: str) -> Iterator[None]:
-    """Turn ENOSPC/EDQUOT while writing into ImageStoreFull naming ``folder``."""
+    """Turn ENOSPC, EDQUOT and EROFS while writing into the one-line error naming ``folder`` and the fix."""
     try:
         yield
     except OSError as exc:
-        if exc.errno in (28, 122):  # ENOSPC, EDQUOT
-            raise ImageStoreFull(
-                f"no space left in {folder} while {what}; free some space (or run `forkd image prune`) and retry"
-            ) from None
-        raise
+        error = unwritable_error(exc, folder, what)
+        if error is None:
+            raise
+        raise error from None
+
+
+class StoreLock:
+    """The lock every writer of the layout or the index holds, taken with a deadline and a line for who waits.
+
+    Used as a context manager. When another process holds it, ``progress``
+    hears ``waiting for the image store lock held by PID N (pulling REF, for
+    12 s)`` at once and every :data:`LOCK_REPORT_SECONDS` after; the wait
+    ends in an ImageError when the holder shows no progress
+    (:meth:`alive`) for :data:`LOCK_STALL_SECONDS`, or after ``timeout``.
+    """
+
+    def __init__(
+        self,
+        doing: str = "writing the image store",
+        *,
+        progress: Callable[[str], None] | None = None,
+        timeout: float = LOCK_TIMEOUT,
+    ) -> None:
+        self.doing = doing
+        self.progress = progress or (lambda _line: None)
+        self.timeout = timeout
+        folder = private.make_dir(store_dir())
+        self.owner = folder / OWNER_FILE
+        self.lock = FileLock(str(folder / LOCK_FILE), mode=private.FILE_MODE)
+
+    def __enter__(self) -> StoreLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        if not self._try():
+            self._wait()
+        self._write_owner()
+
+    def release(self) -> None:
+        self.owner.unlink(missing_ok=True)
+        self.lock.release()
+
+    def alive(self) -> None:
+        """Mark progress (bytes copied, a blob hashed): processes waiting for the lock keep waiting."""
+        try:
+            os.utime(self.owner)
+        except OSError:
+            pass
+
+    def _try(self) -> bool:
+        try:
+            self.lock.acquire(timeout=0)
+        except Timeout:
+            return False
+        return True
+
+    def _holder(self) -> tuple[str, float]:
+        """Who holds the lock, in words, and when it last showed progress (0: unknown)."""
+        try:
+            text = self.owner.read_text()
+            shown = self.owner.stat().st_mtime
+        except OSError:
+            return "another process", 0.0
+        pid, _, rest = text.partition(" ")
+        started, _, doing = rest.partition(" ")
+        if not pid.isdigit() or not processes.is_alive(int(pid)):
+            return "another process", 0.0
+        try:
+            since = f", for {time.time() - float(started):.0f} s"
+        except ValueError:
+            since = ""
+        return f"PID {pid} ({doing.strip() or 'writing the image store'}{since})", shown
+
+    def _wait(self) -> None:
+        holder, _shown = self._holder()
+        self.progress(f"waiting for the image store lock held by {holder}")
+        state = {"reported": time.monotonic()}
+
+        def taken() -> bool:
+            if self._try():
+                return True
+            holder, shown = self._holder()
+            if shown and time.time() - shown > LOCK_STALL_SECONDS:
+                raise ImageError(
+                    f"the image store lock {self.lock.lock_file} is held by {holder}, which has shown no progress "
+                    f"for {LOCK_STALL_SECONDS:.0f} s; if that process is stuck, stop it and try again"
+                )
+            if time.monotonic() - state["reported"] >= LOCK_REPORT_SECONDS:
+                state["reported"] = time.monotonic()
+                self.progress(f"still waiting for the image store lock held by {holder}")
+            return False
+
+        def timed_out(message: str) -> ImageError:
+            return ImageError(
+                f"{message} (the image store lock {self.lock.lock_file}, held by {self._holder()[0]}); if that "
+                "process is stuck, stop it and try again"
+            )
+
+        poll_until(
+            taken,
+            timeout=self.timeout,
+            what=f"the image store lock to {self.doing}",
+            interval=0.05,
+            backoff=1.0,
+            error=timed_out,
+        )
+
+    def _write_owner(self) -> None:
+        temporary = self.owner.with_name(f"{OWNER_FILE}.{os.getpid()}.tmp")
+        try:
+            private.write_bytes(temporary, f"{os.getpid()} {time.time():.3f} {self.doing}\n".encode())
+            os.replace(temporary, self.owner)
+        except OSError:
+            temporary.unlink(missing_ok=True)  # only the waiting line loses its pid
+
+
+def store_lock(doing: str = "writing the image store", progress: Callable[[str], None] | None = None) -> StoreLock:
+    """The lock every writer of the layout or the index holds (pulls of several workers run one at a time)."""
+    return StoreLock(doing, progress=progress)
 
 
 # --- the index ----------------------------------------------------------------------------
@@ -223,28 +384,79 @@ def forget(references: list[str]) -> None:
 # --- blobs and images ---------------------------------------------------------------------
 
 
-def verify_blob(digest: str, size: int | None = None) -> Path:
-    """The blob of ``digest`` after hashing it; a blob whose content does not match is deleted and refused."""
-    path = blob_path(digest)
-    hasher = hashlib.sha256()
-    length = 0
+#: digest -> the stat of the blob this process hashed (see :func:`verify_blob`).
+_HASHED_HERE: dict[str, str] = {}
+
+
+def _stat_key(status: os.stat_result) -> str:
+    return f"{status.st_size}:{status.st_mtime_ns}:{status.st_ctime_ns}:{status.st_ino}:{status.st_dev}"
+
+
+def verified_dir() -> Path:
+    """Where each hashed blob's stat is kept: ``verified/<hex>``."""
+    return store_dir() / VERIFIED
+
+
+def _stamped(digest: str) -> str | None:
     try:
-        with path.open("rb") as handle:
-            while chunk := handle.read(_HASH_CHUNK):
-                hasher.update(chunk)
-                length += len(chunk)
+        return (verified_dir() / digest.partition(":")[2]).read_text().strip()
+    except OSError:
+        return None
+
+
+def _stamp(digest: str, key: str) -> None:
+    """Record that the blob of ``digest`` hashed right with the stat ``key`` (renamed into place: all or nothing)."""
+    folder = verified_dir()
+    name = digest.partition(":")[2]
+    temporary = folder / f".{name}.{os.getpid()}.tmp"
+    try:
+        private.make_dir(folder)
+        private.write_bytes(temporary, key.encode())
+        os.replace(temporary, folder / name)
+    except OSError:
+        temporary.unlink(missing_ok=True)  # the next process hashes it again, nothing worse
+
+
+def verify_blob(digest: str, size: int | None = None) -> Path:
+    """The blob of ``digest`` after hashing it; a blob whose content does not match is deleted and refused.
+
+    A blob this process or an earlier one hashed is not hashed again while its
+    stat is the one it had then (see the module's doc).
+    """
+    path = blob_path(digest)
+    try:
+        handle = path.open("rb")
     except FileNotFoundError:
         raise ImageError(
             f"blob {digest} is missing from the image store {layout_dir()}; pull the image again"
         ) from None
-    actual = "sha256:" + hasher.hexdigest()
+    with handle:
+        looked = time.time_ns()
+        before = os.fstat(handle.fileno())
+        key = _stat_key(before)
+        if size is not None and before.st_size != size:
+            actual, length = None, before.st_size
+        elif key in (_HASHED_HERE.get(digest), _stamped(digest)):
+            return path
+        else:
+            hasher = hashlib.sha256()
+            length = 0
+            while chunk := handle.read(_HASH_CHUNK):
+                hasher.update(chunk)
+                length += len(chunk)
+            actual = "sha256:" + hasher.hexdigest()
+            after = os.fstat(handle.fileno())
     if actual != digest or (size is not None and length != size):
         path.unlink(missing_ok=True)  # corrupt: the next pull must fetch it again, not reuse it
-        found = actual if actual != digest else f"{length} bytes instead of {size}"
+        _HASHED_HERE.pop(digest, None)
+        found = actual if actual not in (None, digest) else f"{length} bytes instead of {size}"
         raise DigestMismatch(
             f"digest mismatch for blob {digest} (its content hashes to {found}): the layer was tampered with or "
             "corrupted; it was removed from the store, pull again"
         )
+    if _stat_key(after) == key and looked - before.st_ctime_ns > RACY_NS:
+        _HASHED_HERE[digest] = key
+        _stamp(digest, key)
     return path
 
 
@@ -283,8 +495,18 @@ def image_config(document: Mapping[str, Any]) -> ImageConfig:
     )
 
 
-def load(digest: str, reference: str, *, verify: bool = False, entry: Mapping[str, Any] | None = None) -> PulledImage:
-    """The image of manifest ``digest`` in the layout; ``verify`` hashes every blob, else sizes are checked."""
+def load(
+    digest: str,
+    reference: str,
+    *,
+    verify: bool = False,
+    entry: Mapping[str, Any] | None = None,
+    alive: Callable[[], None] | None = None,
+) -> PulledImage:
+    """The image of manifest ``digest`` in the layout; ``verify`` hashes every blob, else sizes are checked.
+
+    ``alive`` is called after each layer is checked (a lock holder's :meth:`StoreLock.alive`).
+    """
     manifest = _read_json_blob(digest, None, verify=verify, what="manifest")
     media_type = manifest.get("mediaType", OCI_MANIFEST)
     if media_type not in (OCI_MANIFEST, DOCKER_MANIFEST) or "layers" not in manifest:
@@ -315,6 +537,8 @@ def load(digest: str, reference: str, *, verify: bool = False, entry: Mapping[st
             raise ImageError(f"{reference}: layer {layer_digest} has no valid size in its manifest")
         if verify:
             path = verify_blob(layer_digest, size)
+            if alive is not None:
+                alive()
         else:
             path = blob_path(layer_digest)
             try:
