@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="serve until Ctrl-C or SIGTERM; prints the environment the SDKs need",
         description="Serve the sandbox API and every sandbox's in-sandbox API on one URL. Prints "
         "`export E2B_API_URL=... E2B_SANDBOX_URL=... E2B_API_KEY=...` lines on stdout once the default template "
-        "is ready, then serves until SIGINT or SIGTERM; its sandboxes end with it. "
+        "and every --template mapping are ready, then serves until SIGINT or SIGTERM; its sandboxes end with it. "
         "Example: forkd e2b serve --port 0 > e2b.env & ... . ./e2b.env; python agent.py",
     )
     serve.add_argument(
@@ -59,8 +59,9 @@ def _template_options(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=REF",
         help="map a template name to a forkd.yaml or stored snapshot, or to an image reference "
-        "(docker://python:3.12-slim); repeatable. Without a mapping, `base` and `code-interpreter-v1` are the "
-        "session's snapshot and other names are looked up as snapshots",
+        "(docker://python:3.12-slim); repeatable. Without a mapping, `base` is the session's snapshot, "
+        "`code-interpreter-v1` forkd's code-interpreter image (numpy, Pillow; built on first use) unless "
+        "forkd.yaml declares a snapshot of that name, and other names are looked up as snapshots",
     )
     parser.add_argument(
         "--config", metavar="PATH", default=None, help="the forkd.yaml to read (default: ./forkd.yaml if any)"

@@ -89,6 +89,7 @@ class VM:
         """Bytes of each of stdout and stderr an exec keeps unless it says otherwise (head and tail)."""
         self.broken: str | None = None
         """Why this VM was cut off (its guest broke the agent protocol), or None."""
+        self._start_error: VMError | None = None  # its agent never answered (set by fork_snapshot(wait_ready=False))
         self._env: dict[str, str] = {}
         self._cwd: str | None = None
         self.restore_phases: Any = None
@@ -768,6 +769,8 @@ class VM:
                 self._forwards[guest_port] = old_port
 
     def _ensure_open(self, what: str) -> None:
+        if self._start_error is not None:
+            raise self._start_error.with_traceback(None)
         if self.broken is not None:
             raise GuestProtocolError(f"VM {self.name} was cut off and cannot be used for {what}: {self.broken}")
         if self._closed:
@@ -778,6 +781,8 @@ class VM:
         try:
             return function(*args, **kwargs)
         except ChannelClosed:
+            if self._start_error is not None:
+                raise self._start_error.with_traceback(None) from None
             error = self._machine.crash_error(f"guest died while {what}")
             self.close()
             raise error from None

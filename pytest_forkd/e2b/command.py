@@ -2,9 +2,11 @@
 
 The command line (:mod:`pytest_forkd.cli.e2b_cmd`) only parses. Here the
 session is opened (forkd.yaml, the snapshot ``base`` stands for), the server
-started, the default template made ready (built and prepared, with progress
-on stderr), and only then are the ``export`` lines printed on stdout, so a
-script that waits for them can use the server at once. SIGINT, SIGTERM and
+started, the default template and every ``--template`` mapping made ready
+(pulled or built, and prepared, with progress on stderr; a mapping that
+names nothing usable stops it there), and only then are the ``export`` lines
+printed on stdout, so a script that waits for them can use the server at
+once, without a first create outlasting the SDK's request timeout. SIGINT, SIGTERM and
 SIGHUP stop it (the command line turns them into KeyboardInterrupt, with a
 watchdog that kills every VM if stopping hangs); every sandbox and snapshot
 of the server is gone when it returns.
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from pytest_forkd.e2b.code_interpreter_template import DESCRIPTION as CODE_INTERPRETER_DESCRIPTION
 from pytest_forkd.e2b.config import CODE_INTERPRETER_TEMPLATE, DEFAULT_TEMPLATE, ServerConfig, parse_template_options
 from pytest_forkd.e2b.server import E2BServer
 from pytest_forkd.paths import PROJECT_FILE
@@ -44,9 +47,10 @@ def list_templates(
         selected = session.settings.snapshot
         rows = [
             [DEFAULT_TEMPLATE, f"snapshot {selected}"],
-            [CODE_INTERPRETER_TEMPLATE, f"snapshot {selected}"],
             *([name, f"snapshot {name} ({session.project.origin})"] for name in session.project.snapshots),
         ]
+        if CODE_INTERPRETER_TEMPLATE not in session.project.snapshots:
+            rows.append([CODE_INTERPRETER_TEMPLATE, CODE_INTERPRETER_DESCRIPTION])
         rows = [row for row in rows if row[0] not in mapping] + [[name, ref] for name, ref in mapping.items()]
     out = stdout or sys.stdout
     print(render_table(sorted(rows), ["template", "is"]), file=out)
@@ -91,7 +95,7 @@ def serve_until_stopped(
     try:
         session.factory  # noqa: B018 - made here, in the main thread, where it takes over the stop signals
         server.start()
-        server.warm(DEFAULT_TEMPLATE)
+        server.warm_templates()  # the default template and every --template mapping, before clients come
         for line in server.exports():
             print(line, file=out)
         out.flush()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import posixpath
 import signal as signal_module
 import time
@@ -38,9 +39,26 @@ from pytest_forkd.e2b.processes import ProcessConfig, ProcessEnd, ProcessHub, Su
 from pytest_forkd.e2b.scope import CallScope, current, user_home
 from pytest_forkd.errors import AgentError, ForkdError, NoSuchProcess, ProcessError
 
+log = logging.getLogger("pytest_forkd.e2b")
+
 #: How the guest agent refuses a user its /etc/passwd does not have (envd answers that as UNAUTHENTICATED).
 UNKNOWN_USER = "unable to find user"
 _SIGNALS = {process_pb.Signal.SIGKILL: signal_module.SIGKILL, process_pb.Signal.SIGTERM: signal_module.SIGTERM}
+
+
+#: Closings of started processes' stdin under way (held so that they run to their end).
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+async def _close_stdin(hub: ProcessHub) -> None:
+    """End a started process's input; one that has ended already (or whose sandbox has) needs nothing."""
+    try:
+        await asyncio.to_thread(hub.process.close_stdin)
+    except (NoSuchProcess, ProcessError):
+        pass
+    except ForkdError as exc:  # its stdin was gone already (EBADF, EPIPE: it ended), or so was its VM
+        if guest_errno(exc) not in (None, errno.EBADF, errno.EPIPE):
+            log.warning("closing the stdin of process %s failed: %s", hub.pid, exc)
 
 
 def rpc_error(exc: BaseException, what: str, sandbox_id: str | None = None) -> ConnectError:
@@ -152,10 +170,11 @@ class ProcessService(process_connect.Process):
             code = Code.UNAVAILABLE if error.status == 502 else Code.INVALID_ARGUMENT
             raise ConnectError(code, error.message) from None
         if not size and request.has_field("stdin") and not request.stdin:
-            try:  # envd gives such a process no stdin: it reads end-of-file at once
-                await asyncio.to_thread(hub.process.close_stdin)
-            except (NoSuchProcess, ProcessError):
-                pass  # it has ended already
+            # envd gives such a process no stdin: it reads end-of-file at once. Closed beside the start event
+            # rather than before it: the process runs meanwhile and waits for nothing else.
+            task = asyncio.ensure_future(_close_stdin(hub))
+            _CLOSING.add(task)
+            task.add_done_callback(_CLOSING.discard)
         return hub, subscription
 
     async def connect(

@@ -50,9 +50,22 @@ def call_user(request: Request, scope: CallScope) -> str | None:
     return request.query_params.get("username") or scope.user
 
 
+async def check_user(scope: CallScope, user: str | None) -> None:
+    """401 for a user the sandbox lacks, as envd looks up every call's user; the default user and root need no look."""
+    files = scope.sandbox.files
+    if user in (None, "root", scope.sandbox.template.user) or files is None:
+        return
+    try:
+        await files.call("ping", user=user)  # the helper checks a request's user before anything else
+    except ApiError as exc:
+        if exc.status == 401:
+            raise
+
+
 async def download(request: Request) -> Response:
     scope = current()
     user = call_user(request, scope)
+    await check_user(scope, user)
     path = guest_path(request.query_params.get("path"), user)
     vm = scope.sandbox.vm
     assert vm is not None

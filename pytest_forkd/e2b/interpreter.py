@@ -431,7 +431,10 @@ class CodeInterpreter:
         problems = []
         for python in candidates:
             try:
-                process = await self._vm.spawn([*python, self._program_path, *arguments], max_output=MAX_OUTPUT)
+                # As root whatever the image's own user, as E2B's Jupyter server runs its kernels.
+                process = await self._vm.spawn(
+                    [*python, self._program_path, *arguments], max_output=MAX_OUTPUT, user="0"
+                )
             except CommandNotFound:
                 problems.append(f"{python[-1]}: not found")
                 continue

@@ -6,7 +6,10 @@ calls its operations maps onto forkd's:
 - create: a copy-on-write child of the template's snapshot (from the pool
   when one is ready);
 - fork(count): one branch of the running sandbox (it keeps running, under the
-  same id and expiry), then ``count`` children of that branch;
+  same id and expiry), then ``count`` children of that branch, handed back
+  once they are restored and running (their guest agents answer their first
+  calls, which wait for them: under TCG most of a child's start is that first
+  answer, and ten of them at once would make the call ten times one);
 - pause: the sandbox's whole state branched into the session's snapshot store
   on disk, then its VM ended: no QEMU process and no guest memory of its own
   stays on the host (its template's snapshot, shared with every sandbox of the
@@ -396,8 +399,9 @@ class SandboxRegistry:
                 raise ApiError(500, f"forking sandbox {sandbox_id} failed: {exc}") from None
             self.leases.add(snapshot, self.session.factory.session_store)
             self._rehold(source)  # the branch may have re-based the source onto the new snapshot
-            try:
-                vms = await asyncio.to_thread(snapshot.fork, count)
+            factory = source.template.session.factory
+            try:  # restored and running when this returns; each child's agent answers its first call
+                vms = await asyncio.to_thread(factory.fork_snapshot, snapshot, count, wait_ready=False)
             except ForkdError as exc:
                 self.leases.release_unheld()
                 raise ApiError(500, f"forking sandbox {sandbox_id} failed: {exc}") from None

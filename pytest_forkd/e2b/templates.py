@@ -3,11 +3,13 @@
 A template name resolves, in this order, to:
 
 1. a ``--template NAME=REF`` mapping (REF is then read as below);
-2. ``base`` and ``code-interpreter-v1``: the forkd session's own snapshot
-   (the parent's current state: the selected snapshot, or what a test
-   session prepared in ``forkd_parent``); the code interpreter needs only
-   the guest's ``python3``;
+2. ``base``: the forkd session's own snapshot (the parent's current state:
+   the selected snapshot, or what a test session prepared in
+   ``forkd_parent``);
 3. a snapshot declared in forkd.yaml or kept in the store;
+   ``code-interpreter-v1`` when forkd.yaml declares none of that name: the
+   snapshot of forkd's code-interpreter image, with numpy and Pillow
+   (:mod:`pytest_forkd.e2b.code_interpreter_template`), built on first use;
 4. a container image reference with its transport (``docker://python:3.12``,
    ``oci:DIR``, ``dockerfile:PATH``...), pulled or built on first use into a
    session of its own (:mod:`pytest_forkd.integrations.sessions`);
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pytest_forkd.e2b.api_errors import ApiError
+from pytest_forkd.e2b.code_interpreter_template import CodeInterpreterSnapshots
 from pytest_forkd.e2b.config import CODE_INTERPRETER_TEMPLATE, DEFAULT_TEMPLATE, DEFAULT_USER
 from pytest_forkd.e2b.guest_helper import start_helper
 from pytest_forkd.errors import ConfigError, ForkdError
@@ -118,6 +121,7 @@ class TemplateCatalog:
         self._prepared: dict[tuple[int, str], Template] = {}
         self._locks: dict[tuple[int, str], asyncio.Lock] = {}
         self._image_guests: dict[str, ImageGuest] = {}
+        self._code_interpreter = CodeInterpreterSnapshots(session, self._progress)
         self._closed = False
 
     @property
@@ -169,8 +173,10 @@ class TemplateCatalog:
         reference = self._mapping.get(name, name)
         session = self._session
         try:
-            if reference in (DEFAULT_TEMPLATE, CODE_INTERPRETER_TEMPLATE):
+            if reference == DEFAULT_TEMPLATE:
                 return session, session.snapshot
+            if reference == CODE_INTERPRETER_TEMPLATE and reference not in session.project.snapshots:
+                return session, self._code_interpreter.snapshot()
             if reference.startswith(IMAGE_TRANSPORTS) or (name in self._mapping and not self._known(reference)):
                 image_session = self._image_session(name, reference)
                 return image_session, image_session.snapshot

@@ -146,6 +146,7 @@ class AgentClient:
         self._closed_reason: str | None = None
         self._closed_error: type[VMError] = ChannelClosed
         self._budget = _Budget(PROTOCOL_ERROR_BURST, PROTOCOL_ERROR_RATE)
+        self._stale_expected = False  # see expect_stale_replies
         self.protocol_errors: collections.Counter[str] = collections.Counter()
         """Protocol violations of the guest seen so far, by kind (garbage, json, id, unknown_id, ...)."""
         self._epoch: dict[str, str] = {}
@@ -362,6 +363,19 @@ class AgentClient:
         with self._lock:
             self._epoch = {"epoch": secrets.token_hex(8), "seed": os.urandom(32).hex()}
 
+    def expect_stale_replies(self) -> None:
+        """The VM behind this channel was restored from a snapshot: drop its first stale frames without a warning.
+
+        A snapshot taken while the agent was sending a reply (the last frame
+        of a command that just ended, say) holds it, and the restored guest
+        sends it before its agent hears from this client: a frame for a
+        request of the client that served the snapshot's VM. Until this
+        client's first answer arrives, such frames are counted (``stale``)
+        and charged to the misbehaviour budget like any unexpected frame,
+        but not warned about; after it, an unknown id is a violation again.
+        """
+        self._stale_expected = True
+
     def close(self) -> None:
         """Close the channel; requests still waiting raise ChannelClosed."""
         self._fail("the agent client was closed")
@@ -502,8 +516,12 @@ class AgentClient:
             recent = request_id in self._recent
         if call is None or call.done.is_set():
             if call is None and not recent:
-                self._offence("unknown_id", f"a reply frame for request {request_id}, which nobody waits for")
+                if self._stale_expected:  # a reply the snapshot froze in flight (see expect_stale_replies)
+                    self._offence("stale", f"a frame for request {request_id} of the snapshot's client", warn=False)
+                else:
+                    self._offence("unknown_id", f"a reply frame for request {request_id}, which nobody waits for")
             return
+        self._stale_expected = False  # the agent answers this client now: it has dropped the old one's streams
         if "error" in frame.fields:
             call.error = frame.fields["error"]
             call.done.set()
@@ -520,11 +538,11 @@ class AgentClient:
             call.fail(exc)
             self._forget(call)
 
-    def _offence(self, kind: str, description: str) -> None:
+    def _offence(self, kind: str, description: str, *, warn: bool = True) -> None:
         """Count one protocol violation; cut the guest off when it exhausts the budget."""
         self.protocol_errors[kind] += 1
         count = self.protocol_errors[kind]
-        if count <= _WARNINGS_PER_KIND:
+        if warn and count <= _WARNINGS_PER_KIND:
             logger.warning("guest agent channel: %s", description)
         else:
             logger.debug("guest agent channel: %s", description)

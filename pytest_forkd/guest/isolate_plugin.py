@@ -33,6 +33,9 @@ host's commands, one JSON object per line (see the runner for the channel):
     in the parent: tear down what the test ``next`` (None: no more tests)
     does not share, as pytest does after ``nodeid``; answers with that
     teardown's report.
+``warm``
+    in a pooled child, before its test comes: answer (``warm``), through the
+    code paths a test's run takes, so they are translated ahead under TCG.
 ``exit``
     end the loop; pytest then finishes as usual.
 
@@ -239,6 +242,8 @@ class Runner:
 
     def handle(self, session: pytest.Session, items: dict[str, Any], command: dict[str, Any]) -> dict[str, Any]:
         op = command.get("op")
+        if op == "warm":
+            return self.warm_up(session)
         nodeid = command.get("nodeid")
         if op not in ("prepare", "run", "teardown"):
             return {"op": "error", "message": f"unknown command {op!r}"}
@@ -255,6 +260,15 @@ class Runner:
         next_scope = command.get("next_scope") if isinstance(command.get("next_scope"), str) else None
         next_item = items.get(command.get("next") or "")
         return self.teardown(session, item, next_item, last=command.get("next") is None, next_scope=next_scope)
+
+    def warm_up(self, session: pytest.Session) -> dict[str, Any]:
+        """Answer a pooled child's first request (before its test comes): the reply and a report serialized
+        take the code paths a test's run takes, translated ahead on an idle core under TCG."""
+        report = pytest.TestReport(
+            nodeid="", location=("", 0, ""), keywords={}, outcome="passed", longrepr=None, when="call"
+        )
+        self.serialized(session, report)
+        return {"op": "warm"}
 
     def prepare(self, session: pytest.Session, item: Any, group: list[Any], scope: str | None) -> dict[str, Any]:
         """Set up the item's collectors down to its scope, then the inherited fixtures of it and its group.
@@ -298,7 +312,7 @@ class Runner:
         outcomes = door.outcome_exceptions()
         warmed = []
         try:
-            with door.counted_as_active(session, item):
+            with door.counted_as_active(session, item), door.test_case_instance(item):
                 for name in item.fixturenames:
                     fixturedefs = definitions.get(name)
                     if not fixturedefs:

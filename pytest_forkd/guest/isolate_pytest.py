@@ -82,6 +82,30 @@ def counted_as_active(session: Any, item: Any) -> Iterator[None]:
             stack.pop(item, None)
 
 
+@contextlib.contextmanager
+def test_case_instance(item: Any) -> Iterator[None]:
+    """A unittest item has its ``TestCase`` instance meanwhile, made as pytest 7 makes it in the item's setup.
+
+    pytest 7 binds unittest's class-scoped ``setUpClass`` fixture to that
+    instance, so computing the fixture before the item's own setup (as the
+    parent does) needs one; it is dropped afterwards, as pytest 7's teardown
+    drops it. pytest 8 and later make the instance on demand (``_testcase``
+    is a property there): nothing to do.
+    """
+    missing = object()
+    attribute = next((vars(kind)["_testcase"] for kind in type(item).__mro__ if "_testcase" in vars(kind)), missing)
+    if attribute is missing or isinstance(attribute, property) or getattr(item, "_testcase", None) is not None:
+        yield  # not a unittest item, or a pytest that makes the instance itself, or one already made
+        return
+    item._testcase = item.parent.obj(item.name)
+    item._obj = getattr(item._testcase, item.name)
+    try:
+        yield
+    finally:
+        item._testcase = None
+        item._obj = None
+
+
 # -- fixtures of an item ------------------------------------------------------------------------
 def fixture_definitions(item: Any) -> dict[str, Any] | None:
     """The item's fixture definitions by name (each a list, the closest last), None for items without any."""

@@ -25,6 +25,7 @@ are untouched.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import secrets
 import threading
@@ -58,6 +59,8 @@ NO_PYTEST_HINT: Final = (
 )
 #: Characters of the runner's own output kept for error messages.
 OUTPUT_TAIL_CHARS: Final = 8000
+#: Seconds a pooled child's warm-up may take (a restore under a loaded host's TCG included).
+WARM_TIMEOUT_S: Final = 120.0
 #: Seconds the output a test wrote may trail its last reply (the runner marks its end on stderr).
 OUTPUT_MARKER_WAIT_S: Final = 5.0
 #: Seconds the parent's pytest gets to tear down after an interrupted run (Ctrl-C) before its VM is killed: well
@@ -316,10 +319,29 @@ class IsolationParent:
             self.prepared_scope = scope
             if previous is not None:
                 self._forget(previous)
-            if self._session.settings.pool > 0:
-                remaining = self._remaining = [demand]
-                self._session.factory.pool(self._prepared, self._session.settings.pool, demand=lambda: remaining[0])
+            if self._session.settings.pool > 0 and self._process is not None:
+                self._keep_children_ready(self._prepared, demand, self._process.pid)
         return self._prepared
+
+    def _keep_children_ready(self, snapshot: Snapshot, demand: int | None, pid: int) -> None:
+        """Restore the branch's children ahead of its tests, each warmed on the pool's core.
+
+        The pool holds at least ``--forkd-pool`` children and grows, as the
+        session's own does, when tests take children faster than one core
+        restores them (bounded by memory and by the tests still to come).
+        """
+        from pytest_forkd.core.pool import DEFAULT_CHILD_MIB, available_memory_mib, memory_bound, vm_memory_bound
+
+        size = self._session.settings.pool
+        remaining = self._remaining = [demand]
+        self._session.factory.pool(
+            snapshot,
+            size,
+            maximum=max(size, memory_bound(DEFAULT_CHILD_MIB, available_memory_mib())),
+            demand=lambda: remaining[0],
+            resize=vm_memory_bound,
+            warm=functools.partial(warm_child, pid=pid),
+        )
 
     def _keep_recorded(self, reply: dict[str, Any]) -> None:
         for key in ("xml_attributes", "testsuite_properties"):
@@ -460,6 +482,22 @@ class IsolationParent:
             pass
         finally:
             vm.close()
+
+
+def warm_child(child: VM, *, pid: int) -> None:
+    """What a pooled child does first, on the pool's core: attach to the waiting pytest and have it answer.
+
+    Under TCG every code path a child runs for the first time costs it
+    translation; this is the path its test's request takes (the agent's
+    attach and stdio, the runner's JSON loop, a report serialized), instead
+    of the pool's usual ``true`` command, which an isolated test never runs.
+    The handle stays with the child (``child.process`` returns it).
+    """
+    process = child.process(pid)
+    process.write_stdin(json.dumps({"op": "warm"}) + "\n")
+    reply = read_reply(process, time.monotonic() + WARM_TIMEOUT_S, f"warming VM {child.name}")
+    if reply.get("op") != "warm":
+        raise RunnerFailed(f"the guest's pytest answered {reply.get('op')!r} to a warm-up in VM {child.name}")
 
 
 def timed_out(nodeid: str, timeout: float, vm_name: str, console: str) -> TestTimedOut:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_forkd.core.factory import VMFactory
-from pytest_forkd.e2b.config import Limits, ServerConfig
+from pytest_forkd.e2b.config import CODE_INTERPRETER_TEMPLATE, DEFAULT_TEMPLATE, Limits, ServerConfig
 from pytest_forkd.project.config import EMPTY_PROJECT
 from pytest_forkd.project.session import ForkdSession
 from pytest_forkd.project.settings import Settings
@@ -61,7 +61,9 @@ def fake_server(fake_session: FakeEngineSession) -> Iterator[E2BServer]:
     pytest.importorskip("e2b", reason="the E2B server needs the e2b extra: pip install 'pytest-forkd[e2b]'")
     from pytest_forkd.e2b.server import E2BServer
 
-    server = E2BServer(fake_session, ServerConfig(limits=FAKE_LIMITS), prepare_guest=False).start()
+    # The code interpreter's template is the fake base too (its own image is a Debian guest to boot).
+    config = ServerConfig(limits=FAKE_LIMITS, templates={CODE_INTERPRETER_TEMPLATE: DEFAULT_TEMPLATE})
+    server = E2BServer(fake_session, config, prepare_guest=False).start()
     try:
         yield server
     finally:

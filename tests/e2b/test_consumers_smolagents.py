@@ -10,16 +10,14 @@ final answer that arrives as a ``FinalAnswerException`` (a BaseException) the
 cell raises.
 
 The executor's first cell imports numpy and PIL (smolagents lifts them out of
-its ``final_answer`` tool), as E2B's own code-interpreter template has them.
-The default guest has neither, and no network to install them, so this
-file's server maps ``code-interpreter-v1`` to an image of Debian's python3
-with numpy and Pillow (consumers_images), as ``forkd e2b serve --template
-code-interpreter-v1=REF`` does.
+its ``final_answer`` tool), as E2B's own code-interpreter template has them:
+the server here has no mapping and no forkd.yaml, so ``code-interpreter-v1``
+is forkd's own code-interpreter image (numpy and Pillow from Debian), built
+on first use and cached as the default image is.
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,6 @@ for module in ("e2b_code_interpreter", "starlette", "uvicorn", "python_multipart
     pytest.importorskip(module, reason="needs the e2b extra: pip install 'pytest-forkd[e2b]'")
 
 from consumers_env import installed_version, python_env  # noqa: E402
-from consumers_images import code_interpreter_image  # noqa: E402
 from consumers_server import consumer_environment, e2b_server, run_consumer  # noqa: E402
 from support import wait_until_dead  # noqa: E402
 
@@ -51,11 +48,9 @@ def requirements() -> list[str]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[E2BServer]:
-    """The file's server: ``code-interpreter-v1`` is the numpy and Pillow image, made ready before any create."""
-    if shutil.which("skopeo") is None:
-        pytest.skip("the code-interpreter image is pulled into forkd's image store with skopeo, missing here")
-    with e2b_server({CODE_INTERPRETER: code_interpreter_image()}) as server:
-        server.warm(CODE_INTERPRETER)
+    """The file's server, with no template mapping: ``code-interpreter-v1`` is made ready before any create."""
+    with e2b_server() as server:
+        server.warm(CODE_INTERPRETER)  # a first build on this machine takes longer than the SDK's 60 s
         yield server
 
 

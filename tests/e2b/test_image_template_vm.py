@@ -33,6 +33,7 @@ README = "a Debian image for forkd tests\n"
 def image_server(forkd: ForkdSession, debian_image: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[E2BServer]:  # noqa: F811
     """A server started as ``forkd e2b serve --template debian=REF`` would be, with the SDK's environment set."""
     with E2BServer(forkd, ServerConfig(templates={"debian": debian_image})) as server:
+        server.warm("debian")  # as the command readies every mapping before it prints the environment
         for name in REDIRECTING_VARIABLES:
             monkeypatch.delenv(name, raising=False)
         for name, value in server.environment.items():
@@ -44,7 +45,7 @@ def test_an_image_reference_is_a_template(image_server: E2BServer, debian_image:
     mapped = Sandbox.create("debian")
     assert mapped.get_info().template_id == "debian"
     assert mapped.files.read("/work/README") == README  # the image's own file, through the filesystem API
-    ran = mapped.commands.run('echo "$FORKD_IMAGE $(id -un) $(pwd)"; bash -c \'echo $BASH_VERSION\'; cat /work/README')
+    ran = mapped.commands.run("echo \"$FORKD_IMAGE $(id -un) $(pwd)\"; bash -c 'echo $BASH_VERSION'; cat /work/README")
     first, bash_version, readme = ran.stdout.split("\n", 2)
     assert first == "debian user /home/user"  # the image's Env; E2B's user and working directory
     assert bash_version.split(".")[0].isdigit() and readme == README

@@ -113,6 +113,9 @@ def test_a_user_the_sandbox_lacks_is_an_authentication_error(fake_e2b: E2BServer
         sandbox.files.write(f"{where}/x", "y", user="no-such-user")
     with pytest.raises(AuthenticationException, match="'no-such-user'"):
         sandbox.files.get_info(where, user="no-such-user")
+    sandbox.files.write(f"{where}/readable", "y")
+    with pytest.raises(AuthenticationException, match="'no-such-user'"):
+        sandbox.files.read(f"{where}/readable", user="no-such-user")
     assert sandbox.is_running() and sandbox.commands.run("echo fine", cwd=where).stdout == "fine\n"
 
 
@@ -522,6 +525,18 @@ def test_a_client_that_goes_away_ends_its_stream_and_the_process_runs_on(fake_e2
     assert fake_e2b.app.streams == 0
     assert handle.pid in [process.pid for process in sandbox.commands.list()], "as with E2B, the process runs on"
     assert sandbox.commands.kill(handle.pid)
+
+
+def test_template_mappings_are_made_ready_before_clients_come(fake_session: Any) -> None:
+    """As ``forkd e2b serve`` starts: a mapping that cannot be made ready is reported then, naming it."""
+    from pytest_forkd.e2b.config import ServerConfig
+    from pytest_forkd.errors import VMError
+
+    mapping = {"unreachable": "docker://127.0.0.1:1/forkd-tests/none:1"}  # nothing listens on port 1
+    with E2BServer(fake_session, ServerConfig(templates=mapping), prepare_guest=False) as server:
+        with pytest.raises(VMError, match="template 'unreachable' .*127.0.0.1:1"):
+            server.warm_templates()
+        assert server.sandbox_ids() == []
 
 
 def test_the_sdks_debug_mode_reaches_the_debug_ports(fake_session: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -189,35 +189,16 @@ def test_cli_without_qemu_names_the_package_to_install(shm_root: Path, env_chang
 # -- the CLI on a real VM ----------------------------------------------------------------
 
 
-def test_cli_exec_relays_output_and_exit_status_and_cleans_up(shm_root: Path) -> None:
-    result = forkd("exec", "--", "sh", "-c", "echo hi; echo err >&2; exit 3", shm_root=shm_root)
+def test_cli_exec_relays_output_exit_status_and_timings_and_cleans_up(shm_root: Path) -> None:
+    """One real ``forkd exec``: the output, the status and the timings of a cold boot; the ways a command can end
+    (killed, timed out, truncated) and their statuses are checked on the fake engine (tests/unit/test_exec_cmd.py)."""
+    result = forkd("exec", "--timings", "--", "sh", "-c", "echo hi; echo err >&2; exit 3", shm_root=shm_root)
 
     assert result.returncode == 3, result.stderr
     assert result.stdout == "hi\n"
-    assert "err" in result.stderr.splitlines()
-    assert_nothing_left_under(shm_root)
-
-
-def test_cli_exec_exit_status_follows_the_shell_convention(shm_root: Path) -> None:
-    killed = forkd("exec", "--", "sh", "-c", "kill -9 $$", shm_root=shm_root)
-    timed_out = forkd("exec", "--timeout", "2", "--", "sleep", "60", shm_root=shm_root)
-    truncated = forkd(
-        "exec", "--max-output", "100", "--", "sh", "-c", "head -c 1000 /dev/zero | tr '\\0' a", shm_root=shm_root
-    )
-
-    assert killed.returncode == 128 + 9, killed.stderr
-    assert timed_out.returncode == 124 and "did not finish within 2 s" in timed_out.stderr
-    assert (truncated.returncode, truncated.stdout) == (0, "a" * 100)
-    assert "--max-output" in truncated.stderr
-    assert_nothing_left_under(shm_root)
-
-
-def test_cli_exec_timings_are_json_on_stderr(shm_root: Path) -> None:
-    result = forkd("exec", "--timings", "--", "true", shm_root=shm_root)
-
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == ""
-    timings = json.loads(result.stderr.splitlines()[-1])
+    lines = result.stderr.splitlines()
+    assert "err" in lines
+    timings = json.loads(lines[-1])
     assert timings["mode"] == "cold_boot" and timings["accel"] in ("kvm", "tcg")
     assert timings["memory_mib"] == 256
     assert timings["start_to_first_reply_ms"] > 0 and timings["exec_ms"] > 0

@@ -346,3 +346,48 @@ def test_a_skip_read_back_from_json_keeps_the_tuple_junitxml_asserts(item: pytes
     report = isolate_reports.from_guest(item.config, item, data)
     assert report.longrepr == (str(item.path), 3, "Skipped: not here")
     assert report.user_properties == [("answer", 42)] and report.sections == [("Captured stdout call", "out")]
+
+
+def test_under_a_load_schedule_the_parent_prepares_only_for_the_tests_known_to_come(pytester: pytest.Pytester) -> None:
+    """xdist's load schedules hand a worker its tests one by one: the group is the next test, if it shares the
+    scope; with the whole schedule known (no xdist, loadfile, loadscope) it is the rest of the scope."""
+    from pytest_forkd.isolate.hooks import ISOLATED, IsolationHooks
+
+    pytester.makepyfile(test_x="def test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    pass\n")
+    items, _ = pytester.inline_genitems()
+    settings = IsolateSettings(enabled=True)
+    for item in items:
+        test = isolated_test(item, settings)
+        assert test is not None
+        item.stash[ISOLATED] = test
+    hooks = IsolationHooks.__new__(IsolationHooks)
+    hooks.items = items
+    hooks.index = {item.nodeid: position for position, item in enumerate(items)}
+    first = items[0].stash[ISOLATED]
+    assert first.scope == "test_x.py"
+    hooks.schedule_known = True
+    assert hooks._group(items[0], first, items[1]) == ["test_x.py::test_b", "test_x.py::test_c"]
+    hooks.schedule_known = False
+    assert hooks._group(items[0], first, items[2]) == ["test_x.py::test_c"]
+    assert hooks._group(items[0], first, None) == []
+
+
+def test_a_class_with_class_scoped_set_up_is_a_scope_of_its_own(pytester: pytest.Pytester) -> None:
+    source = (
+        "import unittest\n\nimport pytest\n\n"
+        "class TestPlain:\n    def test_a(self):\n        pass\n\n"
+        "class TestSetUp:\n    @classmethod\n    def setup_class(cls):\n        pass\n\n"
+        "    def test_b(self):\n        pass\n\n"
+        "class TestFixture:\n    @pytest.fixture(scope='class')\n    def thing(self):\n        return 1\n\n"
+        "    def test_c(self, thing):\n        pass\n\n"
+        "class TestCase(unittest.TestCase):\n    def test_d(self):\n        pass\n"
+    )
+    items = {item.name: item for item in collect(pytester, source=source)}
+    on = IsolateSettings(enabled=True)
+    scopes = {name: test.scope for name, item in items.items() if (test := isolated_test(item, on)) is not None}
+    assert scopes == {
+        "test_a": "test_x.py",  # nothing class-scoped: its module's branch, no branch of its own
+        "test_b": "test_x.py::TestSetUp",
+        "test_c": "test_x.py::TestFixture",
+        "test_d": "test_x.py::TestCase",  # unittest's setUpClass is a class-scoped fixture of pytest's
+    }

@@ -80,6 +80,7 @@ def announced():
 CONFIGURATION = """\
 import os
 import time
+import unittest
 import uuid
 
 import pytest
@@ -135,6 +136,18 @@ class TestClassScope:
 
     def test_two(self, class_resource):
         print(f"class resource {class_resource} set up {self.set_up_by}")
+
+
+class TestUnittestClass(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.token = uuid.uuid4().hex
+
+    def test_one(self):
+        print(f"setUpClass ran once: {self.token}")
+
+    def test_two(self):
+        print(f"setUpClass ran once: {self.token}")
 """
 
 PROBES = """\
@@ -414,10 +427,12 @@ def test_pytest_timeout_fails_the_test_that_overran_and_the_run_goes_on(isolated
     assert "INTERNALERROR" not in isolated.output
 
 
-def test_class_scope_is_set_up_once_in_the_parent(isolated: InnerRun) -> None:
+def test_class_scope_and_set_up_class_are_set_up_once_in_the_parent(isolated: InnerRun) -> None:
     # Under -s each line follows pytest's progress letters on the host's terminal.
     seen = re.findall(r"class resource ([0-9a-f]{32}) set up ([0-9a-f]{32})$", isolated.output, re.MULTILINE)
     assert len(seen) == 2 and len(set(seen)) == 1, isolated.output[-6000:]  # one class set-up, in the parent
+    tokens = re.findall(r"setUpClass ran once: ([0-9a-f]{32})$", isolated.output, re.MULTILINE)
+    assert len(tokens) == 2 and len(set(tokens)) == 1, isolated.output[-6000:]  # unittest's setUpClass too
 
 
 def test_record_fixtures_reach_the_hosts_junit_xml(isolated: InnerRun) -> None:

@@ -96,9 +96,7 @@ def test_the_short_summary_names_the_first_limit_exceeded_and_both_figures(pytes
     result = run("-rf")
     result.assert_outcomes(failed=1)
     summary = [line for line in result.outlines if line.startswith("FAILED ")]
-    assert summary == [
-        "FAILED test_two.py::test_two_limits - exec max 31.9 ms > 1 ms budget (forkd_budget, 1 more)"
-    ]
+    assert summary == ["FAILED test_two.py::test_two_limits - exec max 31.9 ms > 1 ms budget (forkd_budget, 1 more)"]
     result.stdout.fnmatch_lines(
         [
             "exec max 31.9 ms > 1 ms budget (forkd_budget, 1 more)",

@@ -33,7 +33,7 @@ def test_spawn_uses_the_vm_defaults_and_records_the_transcript(vm: VM) -> None:
     proc.write_stdin("echoed\n")
     assert proc.stdout.readline(timeout=30) == b"echoed\n"
     with pytest.raises(ProcessTimeout):
-        proc.wait(timeout=0.2)
+        proc.wait(timeout=0.05)
     proc.kill()
     assert proc.wait(timeout=30) == -signal.SIGTERM
     kinds = [entry["kind"] for entry in vm.transcript.entries]

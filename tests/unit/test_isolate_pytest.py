@@ -32,9 +32,20 @@ import pytest
 import isolate_pytest as door
 
 SUITE = '''
+import unittest
+
 import pytest
 
 EVENTS = []
+
+
+class TestCaseWithSetUpClass(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        EVENTS.append("setUpClass")
+
+    def test_it(self):
+        pass
 
 @pytest.fixture(scope="module")
 def shared():
@@ -54,8 +65,15 @@ class TestThings:
 
 class Probe:
     def pytest_collection_finish(self, session):
-        item = session.items[0]
+        case, item = session.items[0], session.items[1]
         found = {"problems": door.problems(session, item), "version": pytest.__version__}
+        door.set_up(session, case.parent)  # the unittest class: its setUpClass warmed ahead, as the parent does
+        with door.counted_as_active(session, case), door.test_case_instance(case):
+            for name, defs in door.fixture_definitions(case).items():
+                if door.fixture_scope(defs[-1]) == "class":
+                    door.request_of(case).getfixturevalue(name)
+        door.reset_request(case)
+        door.tear_down_to(session, None)
         module = item.module
         scope = item.parent  # the class
         door.set_up(session, scope)
@@ -109,7 +127,7 @@ def check(found: dict[str, Any]) -> None:
     assert found["scopes"] == {"shared": "module", "numbered": "function"}
     assert found["parametrized"] is True
     assert found["value"] == 42 and found["cached"] is True
-    assert found["events"] == ["shared up", "shared down"]
+    assert found["events"] == ["setUpClass", "shared up", "shared down"]
     assert found["outcomes"] == ["OutcomeException", "Exception"]
     assert found["options"] == ["keyword"]
     assert found["junitxml"] == "writer"

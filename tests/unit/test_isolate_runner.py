@@ -377,3 +377,11 @@ def test_class_scoped_set_up_is_done_once_in_the_parent_when_the_host_names_the_
             outcomes.append(message["report"]["outcome"])
         assert outcomes == ["passed"] * 3, message
     assert runner.events_so_far() == ["setup_class"]  # the class stayed set up: its teardown is the parent's
+
+
+def test_a_pooled_childs_warm_up_is_answered_without_a_test(runner: Runner) -> None:
+    runner.read()
+    runner.send(op="warm")
+    assert runner.read() == {"op": "warm"}
+    _, done = runner.run("test_suite.py::test_warns")
+    assert done["op"] == "done"

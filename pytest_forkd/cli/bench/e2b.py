@@ -10,11 +10,15 @@ that a change of the host's load hits both alike:
   template's ``fork(1)`` plus its first ``vm.exec("true")`` (and plus a first
   ``bash -l -c true``, what envd runs);
 - ``commands.run("true")`` against ``vm.exec("true")`` on a warm sandbox and
-  VM, with ``vm.exec(BASH_TRUE)`` beside them: envd
-  runs a command as ``bash -l -c``, so that line splits the shell's share of
-  the difference from the server's;
-- ``sandbox.fork(count=10)`` against ``sandbox.fork(count=1)``, with forkd's
-  ``vm.fork(10)`` and ``vm.fork(1)`` of a running VM beside them;
+  VM, with ``vm.exec(BASH_TRUE)`` beside them, as root and as E2B's ``user``:
+  envd runs a command as ``bash -l -c`` as ``user``, so the last line is the
+  same work and what is left over it is the server's own cost;
+- ``sandbox.fork(count=10)`` against ``sandbox.fork(count=1)``: the call's
+  wall time (the server hands the children back restored and running,
+  without waiting for their agents' first answers) and the time until every
+  child has answered a ``commands.run("true")`` (sent to all at once), with
+  forkd's ``vm.fork(10)`` and ``vm.fork(1)`` of a running VM (which wait for
+  every agent) beside them;
 - ``pause()`` and ``Sandbox.connect()`` (resume), the bytes the paused
   sandbox keeps in the snapshot store, and whether its QEMU process is gone,
   set beside E2B's and CubeSandbox's published figures.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -44,6 +49,8 @@ if TYPE_CHECKING:
 
 #: What envd runs for ``commands.run(cmd)``: a login bash (``e2b/sandbox_sync/commands/command.py``).
 BASH_TRUE = ["/bin/bash", "-l", "-c", "true"]
+#: How envd runs it: as E2B's user, in its home, with its USER and LOGNAME (the agent sets HOME).
+AS_USER: dict[str, Any] = {"user": "user", "cwd": "/home/user", "env": {"USER": "user", "LOGNAME": "user"}}
 #: Children of the fork part; the issue's target compares them with one.
 FORK_COUNT = 10
 #: The issue's targets (at most this ratio).
@@ -134,7 +141,7 @@ class _Samples:
             vm.close()
             started = time.perf_counter()
             vm = self.template.fork(1)[0]
-            vm.exec(BASH_TRUE)  # what envd runs for commands.run("true")
+            vm.exec(BASH_TRUE, **AS_USER)  # what envd runs for commands.run("true")
             self.add("fork_first_bash_exec_ms", started)
             vm.close()
 
@@ -144,6 +151,7 @@ class _Samples:
         sandbox.commands.run("true")
         vm.exec("true")
         vm.exec(BASH_TRUE)
+        vm.exec(BASH_TRUE, **AS_USER)
         for _ in range(rounds):
             started = time.perf_counter()
             sandbox.commands.run("true")
@@ -154,26 +162,41 @@ class _Samples:
             started = time.perf_counter()
             vm.exec(BASH_TRUE)
             self.add("bash_login_exec_ms", started)
+            started = time.perf_counter()
+            vm.exec(BASH_TRUE, **AS_USER)
+            self.add("bash_login_exec_as_user_ms", started)
 
     def forks(self, sandbox: Any, vm: VM, repeats: int) -> None:
-        """sandbox.fork(count=1) and fork(count=10), against forkd's vm.fork(1) and vm.fork(10)."""
+        """sandbox.fork(count=1) and fork(count=10), against forkd's vm.fork(1) and vm.fork(10).
+
+        For each: the call's wall time, and the time from its start until every child has answered a first
+        command, sent to all of them at once (what a user who forks in order to work in the children sees).
+        """
         self.progress(f"e2b: {repeats} x sandbox.fork(count=1) and fork(count={FORK_COUNT}), and vm.fork(n)")
-        for _ in range(repeats):
-            for count, row in ((1, "fork1_ms"), (FORK_COUNT, "fork10_ms")):
-                started = time.perf_counter()
-                children = sandbox.fork(count=count)
-                self.add(row, started)
-                for child in children:
-                    if not isinstance(child, Exception):
-                        child.kill()
-                failed = [child for child in children if isinstance(child, Exception)]
-                if failed:
-                    raise failed[0]
-                started = time.perf_counter()
-                vms = vm.fork(count)  # a branch of the running VM, then its children: what E2B's fork is
-                self.add("vm_" + row, started)
-                for child_vm in vms:
-                    child_vm.close()
+        with ThreadPoolExecutor(max_workers=FORK_COUNT, thread_name_prefix="bench-e2b-fork") as pool:
+            for _ in range(repeats):
+                for count in (1, FORK_COUNT):
+                    started = time.perf_counter()
+                    children = sandbox.fork(count=count)
+                    returned = time.perf_counter()
+                    failed = [child for child in children if isinstance(child, Exception)]
+                    answered = [] if failed else list(pool.map(lambda child: child.commands.run("true"), children))
+                    self.add(f"fork{count}_ms", started, returned)
+                    self.add(f"fork{count}_answered_ms", started)
+                    for child in children:
+                        if not isinstance(child, Exception):
+                            child.kill()
+                    if failed:
+                        raise failed[0]
+                    assert len(answered) == count
+                    started = time.perf_counter()
+                    vms = vm.fork(count)  # a branch of the running VM, then its children: what E2B's fork is
+                    returned = time.perf_counter()
+                    list(pool.map(lambda child_vm: child_vm.exec(BASH_TRUE, **AS_USER), vms))
+                    self.add(f"vm_fork{count}_ms", started, returned)
+                    self.add(f"vm_fork{count}_answered_ms", started)
+                    for child_vm in vms:
+                        child_vm.close()
 
     def pauses(self, sandbox: Any, repeats: int) -> Any:
         """pause() and Sandbox.connect(); what the paused sandbox keeps, and whether its QEMU is gone."""
@@ -224,13 +247,16 @@ class _Samples:
             "fork10_over_fork1": ratio("fork10_ms", "fork1_ms"),
         }
         same_work = {
-            "create_first_command_over_fork_first_bash_exec": ratio(
+            "create_first_command_over_fork_first_bash_exec_as_user": ratio(
                 "create_first_command_ms", "fork_first_bash_exec_ms"
             ),
-            "command_over_bash_login_exec": ratio("command_ms", "bash_login_exec_ms"),
+            "command_over_bash_login_exec_as_user": ratio("command_ms", "bash_login_exec_as_user_ms"),
+            "bash_login_exec_as_user_over_exec": ratio("bash_login_exec_as_user_ms", "exec_ms"),
             "bash_login_exec_over_exec": ratio("bash_login_exec_ms", "exec_ms"),
-            "fork10_over_vm_fork10": ratio("fork10_ms", "vm_fork10_ms"),
+            "fork10_answered_over_fork1_answered": ratio("fork10_answered_ms", "fork1_answered_ms"),
+            "fork10_answered_over_vm_fork10_answered": ratio("fork10_answered_ms", "vm_fork10_answered_ms"),
             "vm_fork10_over_vm_fork1": ratio("vm_fork10_ms", "vm_fork1_ms"),
+            "vm_fork10_answered_over_vm_fork1_answered": ratio("vm_fork10_answered_ms", "vm_fork1_answered_ms"),
         }
         return targets, same_work
 
@@ -279,6 +305,7 @@ def measure_e2b(
             samples.forks(sandbox, vm, repeats)
             vm.close()
             samples.pauses(sandbox, repeats).kill()
+            machine = _machine(session)
     finally:
         session.close()
     targets, same_work = samples.ratios()
@@ -291,10 +318,25 @@ def measure_e2b(
         "e2b_conditions": {
             "sdk": "e2b (Python, sync) " + _version("e2b"),
             "server": "in-process, loopback, no pool on either side",
+            **machine,
             "load_average_before": [round(value, 2) for value in load_before],
             "load_average_after": [round(value, 2) for value in os.getloadavg()],
             "samples": repeats,
         },
+    }
+
+
+def _machine(session: Any) -> dict[str, Any]:
+    """The host the figures were measured on: CPUs, QEMU, the accelerator (TCG or KVM) and why."""
+    from pytest_forkd.image import ensure_image
+
+    factory = session.factory
+    verdict = factory.accel_verdict(ensure_image("default"))
+    return {
+        "cpus": os.cpu_count(),
+        "qemu": factory.engine.describe()["version"],
+        "accel": verdict.accel,
+        "accel_reason": verdict.reason,
     }
 
 
