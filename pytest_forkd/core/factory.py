@@ -313,8 +313,7 @@ class VMFactory:
     ) -> VM:
         """Wrap a launched machine into a VM once its agent answers; kill it if it never does.
 
-        ``wait_ready=False``: wrap it at once; a thread waits for the agent's
-        first answer (see :meth:`fork_snapshot`).
+        ``wait_ready=False``: wrap it at once, its agent not asked yet (see :meth:`fork_snapshot`).
         """
         agent = AgentClient(machine.agent_sock)
         if new_epoch:
@@ -336,9 +335,6 @@ class VMFactory:
                 vm.close()
                 raise VMStartError("the VM factory was closed while a VM was starting")
             self._vms.add(vm)
-        if not wait_ready:  # its first answer is awaited on a thread of its own (see fork_snapshot)
-            waiter = functools.partial(_await_agent, vm, agent, ready_timeout)
-            threading.Thread(target=waiter, name=f"forkd-ready-{machine.name}", daemon=True).start()
         return vm
 
     # -- snapshots ----------------------------------------------------------------
@@ -397,6 +393,10 @@ class VMFactory:
         for index, child in enumerate(children):
             extra = {"pooled": index < pooled, **({} if wait_ready else {"agent_awaited": False})}
             child._record_timing("fork", elapsed, backend=plan.snapshot.backend, extra=extra)
+        if not wait_ready:  # every child runs now: a thread each waits for its agent's first answer
+            for child in children[pooled:]:
+                waiter = functools.partial(_await_agent, child, child.agent, BOOT_TIMEOUT_S)
+                threading.Thread(target=waiter, name=f"forkd-ready-{child.name}", daemon=True).start()
         return children
 
     def _image_of(self, snapshot: Snapshot) -> Any:
@@ -429,8 +429,8 @@ class VMFactory:
         """Start one copy-on-write child of ``plan`` and return it once its agent answers.
 
         The child's ``restore_phases`` says where the time went (see :class:`RestorePhases`).
-        ``wait_ready=False``: return once it is restored, its agent awaited on a thread
-        (see :meth:`fork_snapshot`), and left paused unless ``resume``.
+        ``wait_ready=False``: return once it is restored, without asking its agent (see
+        :meth:`fork_snapshot`), and left paused unless ``resume``.
         """
         phases = RestorePhases()
         with phases.phase("qemu_start_ms"):
@@ -678,7 +678,7 @@ class VMFactory:
 def _await_agent(vm: VM, agent: AgentClient, ready_timeout: float) -> None:
     """Wait for the first answer of ``vm``'s agent; a VM whose agent never answers is closed.
 
-    Runs on a thread of its own for a VM started without waiting for its agent.
+    Runs on a thread of its own for a running VM started without waiting for its agent.
     Requests sent meanwhile wait in the channel and are answered in turn; if
     the agent does not answer in time (or the guest dies first), the VM fails
     every call, those already waiting included, with the error a waiting

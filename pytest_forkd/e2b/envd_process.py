@@ -46,10 +46,6 @@ UNKNOWN_USER = "unable to find user"
 _SIGNALS = {process_pb.Signal.SIGKILL: signal_module.SIGKILL, process_pb.Signal.SIGTERM: signal_module.SIGTERM}
 
 
-#: Closings of started processes' stdin under way (held so that they run to their end).
-_CLOSING: set[asyncio.Task[None]] = set()
-
-
 async def _close_stdin(hub: ProcessHub) -> None:
     """End a started process's input; one that has ended already (or whose sandbox has) needs nothing."""
     try:
@@ -171,10 +167,9 @@ class ProcessService(process_connect.Process):
             raise ConnectError(code, error.message) from None
         if not size and request.has_field("stdin") and not request.stdin:
             # envd gives such a process no stdin: it reads end-of-file at once. Closed beside the start event
-            # rather than before it: the process runs meanwhile and waits for nothing else.
-            task = asyncio.ensure_future(_close_stdin(hub))
-            _CLOSING.add(task)
-            task.add_done_callback(_CLOSING.discard)
+            # rather than before it (one round trip to the guest less before the client hears of the start);
+            # a fork or pause of the sandbox waits for it first (ProcessTable.settle).
+            sandbox.processes.later(_close_stdin(hub))
         return hub, subscription
 
     async def connect(

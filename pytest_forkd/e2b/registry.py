@@ -340,6 +340,7 @@ class SandboxRegistry:
             if sandbox.state == State.PAUSED:
                 return False
             vm = self._vm_of(sandbox)
+            await sandbox.processes.settle()
             tag = f"{self._prefix}-{sandbox.id}-pause{next(self._tags)}"
             try:
                 snapshot = await asyncio.to_thread(branch, vm, tag, store=self.session.store)
@@ -393,6 +394,7 @@ class SandboxRegistry:
         timeout_s = self._timeout(timeout) if timeout else source.timeout_s
         async with source.lock:
             vm = self._vm_of(source)
+            await source.processes.settle()
             try:
                 snapshot = await asyncio.to_thread(vm.branch)
             except ForkdError as exc:
@@ -435,6 +437,7 @@ class SandboxRegistry:
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
             vm = self._vm_of(sandbox)
+            await sandbox.processes.settle()
             tag = f"{self._prefix}-{sandbox.id}-snap{next(self._tags)}"
             try:
                 record = await asyncio.to_thread(branch, vm, tag, store=self.session.store)

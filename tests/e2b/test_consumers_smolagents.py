@@ -50,7 +50,7 @@ def requirements() -> list[str]:
 def server() -> Iterator[E2BServer]:
     """The file's server, with no template mapping: ``code-interpreter-v1`` is made ready before any create."""
     with e2b_server() as server:
-        server.warm(CODE_INTERPRETER)  # a first build on this machine takes longer than the SDK's 60 s
+        server.warm(CODE_INTERPRETER)  # a first build on a machine may outlast the SDK's 60 s request timeout
         yield server
 
 

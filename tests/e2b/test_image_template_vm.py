@@ -4,7 +4,9 @@ The image is the tests' Debian image (bash, python3, a ``/work/README`` of its
 own and a user ``tester`` with uid 1000), pushed to the tests' local registry.
 One server maps a name to it as ``--template debian=REF`` does, and the test
 creates sandboxes both by that name and by the reference itself: both resolve
-to the same image session and share one prepared template.
+to the same image session and share one prepared template. In the busybox
+image whose config names ``User: app`` the code interpreter runs as root (on
+forkd's own Python, since the image has none), as E2B's Jupyter server runs it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
-from registry import debian_image, registry  # noqa: F401 - fixtures, used by name
+from registry import busybox_user_image, debian_image, registry  # noqa: F401 - fixtures, used by name
 
 pytest.importorskip("e2b")
 from e2b import Sandbox  # noqa: E402
@@ -62,3 +64,20 @@ def test_an_image_reference_is_a_template(image_server: E2BServer, debian_image:
     assert origins[0] is not None and origins[1] is not None
     assert origins[0].path == origins[1].path, "both names are one template, prepared once"
     assert sorted(image_server.sandbox_ids()) == sorted([mapped.sandbox_id, direct.sandbox_id])
+
+
+def test_the_code_interpreter_runs_as_root_whatever_the_images_user(
+    forkd: ForkdSession,
+    busybox_user_image: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code_interpreter = pytest.importorskip("e2b_code_interpreter")
+    with E2BServer(forkd) as server:
+        for name in REDIRECTING_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in server.environment.items():
+            monkeypatch.setenv(name, value)
+        sandbox = code_interpreter.Sandbox.create(busybox_user_image, request_timeout=600)
+        ran = sandbox.run_code("import os; os.getuid()", timeout=300)  # the image has no Python: forkd's runs it
+        assert (ran.error, ran.text) == (None, "0")
+        sandbox.kill()

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 
 from pytest_forkd.guest import interpreter as guest_program
 from pytest_forkd.guest import interpreter_program
+from pytest_forkd.waiting import poll_until
 
 PROGRAM = interpreter_program()
 
@@ -303,9 +303,19 @@ def test_output_streams_while_the_cell_still_runs(context: GuestContext, tmp_pat
     assert [line.get("text") for line in rest] == ["second\n", None]
 
 
-def test_output_between_cells_belongs_to_no_cell(context: GuestContext) -> None:
-    context.run("import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), print('late'))).start()")
-    time.sleep(0.6)
+def test_output_between_cells_belongs_to_no_cell(context: GuestContext, tmp_path: Path) -> None:
+    go_on, printed = tmp_path / "go-on", tmp_path / "printed"
+    context.run(
+        "import os, threading, time\n"
+        "def late():\n"
+        f"    while not os.path.exists({str(go_on)!r}):\n"
+        "        time.sleep(0.01)\n"
+        "    print('late', flush=True)\n"
+        f"    open({str(printed)!r}, 'w').close()\n"
+        "threading.Thread(target=late).start()"
+    )
+    go_on.write_text("")  # the cell is over: the thread prints between cells
+    poll_until(printed.exists, timeout=30, what="the thread's print between cells")
     assert of_type(context.run("'next'"), "stdout") == []
 
 
@@ -314,9 +324,13 @@ def test_output_waits_for_credit_beyond_the_window(context: GuestContext) -> Non
     count = (guest_program.WINDOW // chunk) * 3
     cell = context.start(f"import sys\nfor i in range({count}):\n    sys.stdout.write('x' * {chunk})")
     received = 0
-    while True:
+    while received < guest_program.WINDOW // 2:  # what the window allows comes at once
+        message = context.next(credit=False)
+        assert message["type"] != "done", "the whole output went out without credit"
+        received += len(message.get("text", ""))
+    while True:  # then it stops: a context that ignored the window would go on to its end
         try:
-            message = context.next(timeout=2, credit=False)
+            message = context.next(timeout=0.3, credit=False)
         except queue.Empty:
             break  # it stopped: the window is full
         assert message["type"] != "done", "the whole output went out without credit"
@@ -364,8 +378,8 @@ def test_errors_of_every_kind_keep_the_context_alive(context: GuestContext) -> N
 def test_sigint_interrupts_the_running_cell_and_nothing_else(context: GuestContext) -> None:
     context.run("state = 'kept'")
     context.interrupt()  # between cells: ignored
-    time.sleep(0.3)
-    assert context.process.poll() is None
+    # The signal reaches the context while it waits for the next request, before it reads that one.
+    assert main_text(context.run("state")) == "kept" and context.process.poll() is None
     cell = context.start("import time\nprint('sleeping', flush=True)\ntime.sleep(60)")
     assert context.next()["type"] == "number_of_executions"
     assert context.next()["text"] == "sleeping\n"

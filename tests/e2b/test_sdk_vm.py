@@ -156,7 +156,7 @@ def test_a_snapshot_is_a_template(forkd_e2b: ForkdE2B) -> None:
 def test_the_code_interpreter_keeps_state_and_names_errors(forkd_e2b: ForkdE2B) -> None:
     pytest.importorskip("pytest_forkd.e2b.interpreter")
     code_interpreter = pytest.importorskip("e2b_code_interpreter")
-    sandbox = code_interpreter.Sandbox.create()  # template code-interpreter-v1: the same warm snapshot
+    sandbox = code_interpreter.Sandbox.create()  # template code-interpreter-v1: forkd's image with numpy and Pillow
     assert sandbox.run_code("x = 41").error is None
     assert sandbox.run_code("x + 1").text == "42"
     failed = sandbox.run_code("1 / 0")
@@ -166,3 +166,9 @@ def test_the_code_interpreter_keeps_state_and_names_errors(forkd_e2b: ForkdE2B) 
     # as E2B's Jupyter server runs its kernels: as root (its template's start command is sudo), in /home/user
     assert sandbox.run_code("import os; os.getuid(), os.getcwd()").text == "(0, '/home/user')"
     assert sandbox.get_info().template_id == "code-interpreter-v1"
+    # what E2B's template offers a first cell (smolagents' E2BExecutor imports both), in a 512 MiB guest
+    stack = sandbox.run_code(
+        "import numpy, PIL.Image; int(numpy.linalg.det(numpy.eye(3))), PIL.Image.new('L', (2, 2)).size"
+    )
+    assert (stack.error, stack.text) == (None, "(1, (2, 2))")
+    assert forkd_e2b.vm(sandbox.sandbox_id).memory_mib == 512

@@ -127,9 +127,20 @@ def test_bench_e2b_part_times_the_sdk_against_forkd_own_calls() -> None:
     figures = printed["e2b"]
     for name in ("create_first_command_ms", "fork_first_exec_ms", "fork10_ms", "vm_fork10_ms", "pause_ms", "resume_ms"):
         assert_figure(figures[name], 3)
+    for name in ("fork1_answered_ms", "fork10_answered_ms", "vm_fork10_answered_ms"):  # until every child answered
+        assert_figure(figures[name], 3)
+    assert figures["fork10_answered_ms"]["min"] > figures["fork10_ms"]["min"]
     assert_figure(figures["paused_store_mib"], 3)  # the paused sandbox's own snapshot, on disk
-    for name in ("command_ms", "exec_ms", "bash_login_exec_ms"):
+    commands = (
+        "command_ms",
+        "exec_ms",
+        "bash_login_exec_ms",
+        "bash_login_exec_as_user_ms",
+        "bash_login_spawn_as_user_ms",
+    )
+    for name in commands:
         assert_figure(figures[name], 12)
+    assert printed["e2b_conditions"]["accel"] in ("tcg", "kvm") and printed["e2b_conditions"]["cpus"] >= 1
     ratio = figures["command_ms"]["p50"] / figures["exec_ms"]["p50"]
     assert printed["e2b_ratios"]["command_over_exec"] == pytest.approx(ratio, abs=0.01)
     assert set(printed["e2b_targets"]) == set(printed["e2b_ratios"])

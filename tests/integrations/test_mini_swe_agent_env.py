@@ -33,37 +33,52 @@ from pytest_forkd.integrations.sessions import (
     ImageGuest,  # noqa: E402
 )
 from pytest_forkd.storage.snapshot import Snapshot  # noqa: E402
+from pytest_forkd.waiting import poll_until  # noqa: E402
 
 CLASS_PATH = "pytest_forkd.integrations.mini_swe_agent.ForkdEnvironment"
 
 
-class FakeImageSession:
-    """What an image's forkd session gives the environment (``fork``, ``close``), on the fake engine."""
-
-    def __init__(self, key: Hashable) -> None:
-        self.key = key
-        self.factory = VMFactory(engine="fake")
-        root = self.factory.boot(memory_mib=64)
+@pytest.fixture(scope="module")
+def image_snapshot() -> Iterator[Snapshot]:
+    """The fake image's warm parent: one frozen fake VM whose directory holds ``state``, shared by the module."""
+    factory = VMFactory(engine="fake")
+    try:
+        root = factory.boot(memory_mib=64)
         root.exec(["sh", "-c", "echo buggy > state"])  # in the VM's own directory, copied into each child
-        self.snapshot: Snapshot = root.freeze("image", keep_running=False)
+        yield root.freeze("image", keep_running=False)
+    finally:
+        factory.close()
+
+
+class FakeImageSession:
+    """What an image's forkd session gives the environment (``fork``, ``close``), on the fake engine.
+
+    Every session forks the module's one snapshot (what it opens is what the
+    tests count, not a boot); closing one ends its use, and the VMs forked
+    from it are closed by their environments.
+    """
+
+    def __init__(self, key: Hashable, snapshot: Snapshot) -> None:
+        self.key = key
+        self.snapshot = snapshot
         self.closed = False
 
     def fork(self, n: int = 1) -> list[VM]:
+        assert not self.closed, "a closed session was forked"
         return self.snapshot.fork(n)
 
     def close(self) -> None:
         self.closed = True
-        self.factory.close()
 
 
 @pytest.fixture
-def opened(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[Hashable, FakeImageSession]]:
+def opened(monkeypatch: pytest.MonkeyPatch, image_snapshot: Snapshot) -> Iterator[dict[Hashable, FakeImageSession]]:
     """Sessions opened by environments (by key), each on the fake engine; all closed afterwards."""
     sessions: dict[Hashable, FakeImageSession] = {}
 
     def open_fake(key: Hashable, config: Any) -> FakeImageSession:
         assert key not in sessions or sessions[key].closed, "a warm parent was opened twice"
-        sessions[key] = FakeImageSession(key)
+        sessions[key] = FakeImageSession(key, image_snapshot)
         return sessions[key]
 
     monkeypatch.setattr(mini_swe_agent, "_open", open_fake)
@@ -152,20 +167,33 @@ def test_no_submission_unless_the_sentinel_is_the_first_line_of_a_success(
         env.cleanup()
 
 
+def running(pid: int) -> bool:
+    """Whether the host process ``pid`` (a fake guest's command) still runs: not gone, not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow  # mini-swe-agent's timeouts are whole seconds: the two below cost two seconds of waiting
 def test_a_timeout_is_reported_as_dockers_and_the_command_is_killed(opened: dict[Any, Any], tmp_path: Path) -> None:
     env = environment(tmp_path, cwd=str(tmp_path), timeout=1)
-    marker = tmp_path / "still-running"
+    marker, pids = tmp_path / "still-running", tmp_path / "pids"
+    command = f"echo started; sleep 60 & echo $$ $! > {pids}; wait; touch {marker}"
     try:
-        result = env.execute({"command": f"echo started; sleep 3; touch {marker}"})
+        result = env.execute({"command": command})
         assert result["returncode"] == -1
         assert result["output"] == "started\n"
-        command = f"echo started; sleep 3; touch {marker}"
         assert result["exception_info"] == (
             f"An error occurred while executing the command: Command {command!r} timed out after 1 seconds"
         )
         assert result["extra"]["exception_type"] == "TimeoutExpired"
-        assert env.execute({"command": "sleep 3; echo late"}, timeout=5)["output"] == "late\n"  # per call
-        assert not marker.exists()  # killed with its shell, unlike a docker exec that outlives its client
+        # Killed with its shell and what the shell started, unlike a docker exec that outlives its client.
+        shell_and_sleep = [int(pid) for pid in pids.read_text().split()]
+        poll_until(lambda: not any(map(running, shell_and_sleep)), timeout=10, what="the timed-out command to die")
+        assert not marker.exists()
+        # The call's own timeout wins over the configured one: this outlasts 1 s and ends well within 5.
+        assert env.execute({"command": "sleep 1.2; echo late"}, timeout=5)["output"] == "late\n"
     finally:
         env.cleanup()
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from support import is_running, wait_until_dead
 
@@ -54,22 +55,24 @@ time.sleep(600)
 """
 
 
-def assert_dies_with_its_owner(owner_script: str, what: str) -> None:
-    """Run ``owner_script`` (it prints the pid of a process it spawned), SIGKILL it, and check that process dies too."""
-    owner = subprocess.Popen([sys.executable, "-c", owner_script], stdout=subprocess.PIPE, text=True)
-    child_pid = None
+def assert_dies_with_its_owner(owner_script: str, what: str, *args: str) -> None:
+    """Run ``owner_script`` (it prints the pids of processes it started), SIGKILL it, and check that they die too."""
+    owner = subprocess.Popen([sys.executable, "-c", owner_script, *args], stdout=subprocess.PIPE, text=True)
+    child_pids: list[int] = []
     try:
-        child_pid = int(owner.stdout.readline())  # type: ignore[union-attr]
-        assert is_running(child_pid)
+        child_pids = [int(pid) for pid in owner.stdout.readline().split()]  # type: ignore[union-attr]
+        assert child_pids and all(map(is_running, child_pids))
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
-        assert wait_until_dead(child_pid, seconds=10), f"{what} {child_pid} survived its owner's SIGKILL"
+        for child_pid in child_pids:
+            assert wait_until_dead(child_pid, seconds=10), f"{what} {child_pid} survived its owner's SIGKILL"
     finally:
         owner.kill()
         owner.wait()
         owner.stdout.close()  # type: ignore[union-attr]
-        if child_pid is not None and is_running(child_pid):
-            os.kill(child_pid, signal.SIGKILL)
+        for child_pid in child_pids:
+            if is_running(child_pid):
+                os.kill(child_pid, signal.SIGKILL)
 
 
 def test_child_is_killed_when_its_owner_is_killed() -> None:
@@ -77,28 +80,24 @@ def test_child_is_killed_when_its_owner_is_killed() -> None:
 
 
 PAUSED_FAKE_AGENT_OWNER_SCRIPT = """
-import os, signal, socket, subprocess, sys, threading
-from pytest_forkd.engine.fake import AGENT_SCRIPT, LAUNCHER
-from pytest_forkd.engine.spawner import spawn
-host, guest = socket.socketpair()
-argv = [sys.executable, "-E", "-s", "-S", "-c", LAUNCHER, str(AGENT_SCRIPT), "--stdio"]
-children = []
-start = lambda: children.append(
-    spawn(argv, stdin=guest, stdout=guest, stderr=subprocess.PIPE, start_new_session=True, die_with_parent=False)
-)
-worker = threading.Thread(target=start)
-worker.start()
-worker.join()
-children[0].stderr.readline()  # "serving on --stdio": the launcher has set its death signal
-os.kill(children[0].pid, signal.SIGSTOP)  # a paused machine: its agent cannot notice the channel closing
-print(children[0].pid, flush=True)
+import signal, sys
+from pathlib import Path
+from pytest_forkd.engine.fake import FakeEngine, FakeSpec
+from pytest_forkd.waiting import poll_until
+directory = Path(sys.argv[1])
+machine = FakeEngine().boot(FakeSpec(memory_mib=16), None, directory=directory, name="owned", ram_path=directory / "ram")
+# "serving on --stdio": the agent runs, past the point where its death signal is set.
+poll_until(lambda: "serving on" in machine.console_tail(), timeout=30, what="the agent to serve")
+machine.stop()  # a paused machine: its agent cannot notice the channel closing
+template = int(Path(f"/proc/{machine.agent_pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+print(machine.agent_pid, template, flush=True)
 signal.pause()
 """
 
 
-def test_a_fake_agent_sets_its_own_death_signal_and_dies_with_its_owner_even_paused() -> None:
-    """The fake engine starts its agent without code between fork and exec (spawn(die_with_parent=False))."""
-    assert_dies_with_its_owner(PAUSED_FAKE_AGENT_OWNER_SCRIPT, "agent")
+def test_a_fake_agent_and_its_template_die_with_their_owner_even_paused(tmp_path: Path) -> None:
+    """The fake engine forks agents from a template process: the template and a paused agent die with the owner."""
+    assert_dies_with_its_owner(PAUSED_FAKE_AGENT_OWNER_SCRIPT, "fake agent or its template", str(tmp_path))
 
 
 def test_a_start_that_hangs_is_given_up_on_in_bounded_time_and_the_next_start_works(monkeypatch) -> None:

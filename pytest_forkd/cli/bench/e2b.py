@@ -12,7 +12,9 @@ that a change of the host's load hits both alike:
 - ``commands.run("true")`` against ``vm.exec("true")`` on a warm sandbox and
   VM, with ``vm.exec(BASH_TRUE)`` beside them, as root and as E2B's ``user``:
   envd runs a command as ``bash -l -c`` as ``user``, so the last line is the
-  same work and what is left over it is the server's own cost;
+  same work; ``vm.spawn(BASH_TRUE)`` as ``user`` (a process with a pid first,
+  its output and end after, as envd's ``Start`` has to be) is the same work
+  done the same way, and what is left over it is the server's own cost;
 - ``sandbox.fork(count=10)`` against ``sandbox.fork(count=1)``: the call's
   wall time (the server hands the children back restored and running,
   without waiting for their agents' first answers) and the time until every
@@ -152,6 +154,7 @@ class _Samples:
         vm.exec("true")
         vm.exec(BASH_TRUE)
         vm.exec(BASH_TRUE, **AS_USER)
+        vm.spawn(BASH_TRUE, **AS_USER).wait()
         for _ in range(rounds):
             started = time.perf_counter()
             sandbox.commands.run("true")
@@ -165,6 +168,9 @@ class _Samples:
             started = time.perf_counter()
             vm.exec(BASH_TRUE, **AS_USER)
             self.add("bash_login_exec_as_user_ms", started)
+            started = time.perf_counter()
+            vm.spawn(BASH_TRUE, **AS_USER).wait()  # as envd's processes are: pid first, then output and end
+            self.add("bash_login_spawn_as_user_ms", started)
 
     def forks(self, sandbox: Any, vm: VM, repeats: int) -> None:
         """sandbox.fork(count=1) and fork(count=10), against forkd's vm.fork(1) and vm.fork(10).
@@ -251,6 +257,7 @@ class _Samples:
                 "create_first_command_ms", "fork_first_bash_exec_ms"
             ),
             "command_over_bash_login_exec_as_user": ratio("command_ms", "bash_login_exec_as_user_ms"),
+            "command_over_bash_login_spawn_as_user": ratio("command_ms", "bash_login_spawn_as_user_ms"),
             "bash_login_exec_as_user_over_exec": ratio("bash_login_exec_as_user_ms", "exec_ms"),
             "bash_login_exec_over_exec": ratio("bash_login_exec_ms", "exec_ms"),
             "fork10_answered_over_fork1_answered": ratio("fork10_answered_ms", "fork1_answered_ms"),
