@@ -265,6 +265,7 @@ class VM:
         pty: bool | tuple[int, int] = False,
         max_output: int | None = None,
         user: str | None = None,
+        stdin: bool = True,
     ) -> GuestProcess:
         """Start ``command`` in the guest and return at once with its :class:`~pytest_forkd.core.process.GuestProcess`.
 
@@ -277,7 +278,7 @@ class VM:
         at most ``max_output`` bytes of each (default :attr:`max_output`) wait
         unread, on the host and in the guest together: past that the middle
         of what nobody read is dropped. ``pty``: run it on a terminal, as
-        :meth:`exec` does.
+        :meth:`exec` does. ``stdin=False``: it reads end-of-file at once (``write_stdin`` then fails).
 
         A program that does not exist raises
         :class:`~pytest_forkd.errors.CommandNotFound` naming it.
@@ -292,7 +293,7 @@ class VM:
         limit = self.max_output if max_output is None else max_output
         env, cwd = self._with_defaults(env, cwd)
         window, guest_limit = output_bounds(limit)
-        request = spawn_request(command, env=env, cwd=cwd, max_output=guest_limit, pty=pty, user=user)
+        request = spawn_request(command, env=env, cwd=cwd, max_output=guest_limit, pty=pty, user=user, stdin=stdin)
         self.generation += 1
         entry = self.transcript.record(
             "spawn",

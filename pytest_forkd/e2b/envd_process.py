@@ -37,24 +37,13 @@ from pytest_forkd.e2b.api_errors import ApiError, as_api_error, guest_errno, unk
 from pytest_forkd.e2b.config import DEFAULT_WORKDIR
 from pytest_forkd.e2b.processes import ProcessConfig, ProcessEnd, ProcessHub, Subscription, with_deadline
 from pytest_forkd.e2b.scope import CallScope, current, user_home
-from pytest_forkd.errors import AgentError, ForkdError, NoSuchProcess, ProcessError
+from pytest_forkd.errors import AgentError, ForkdError
 
 log = logging.getLogger("pytest_forkd.e2b")
 
 #: How the guest agent refuses a user its /etc/passwd does not have (envd answers that as UNAUTHENTICATED).
 UNKNOWN_USER = "unable to find user"
 _SIGNALS = {process_pb.Signal.SIGKILL: signal_module.SIGKILL, process_pb.Signal.SIGTERM: signal_module.SIGTERM}
-
-
-async def _close_stdin(hub: ProcessHub) -> None:
-    """End a started process's input; one that has ended already (or whose sandbox has) needs nothing."""
-    try:
-        await asyncio.to_thread(hub.process.close_stdin)
-    except (NoSuchProcess, ProcessError):
-        pass
-    except ForkdError as exc:  # its stdin was gone already (EBADF, EPIPE: it ended), or so was its VM
-        if guest_errno(exc) not in (None, errno.EBADF, errno.EPIPE):
-            log.warning("closing the stdin of process %s failed: %s", hub.pid, exc)
 
 
 def rpc_error(exc: BaseException, what: str, sandbox_id: str | None = None) -> ConnectError:
@@ -145,15 +134,17 @@ class ProcessService(process_connect.Process):
         vm = sandbox.sync_vm
         assert vm is not None
         user = "0" if scope.user == "root" else scope.user  # uid 0 is root even in an image without a passwd file
+        # envd gives a process started with stdin=false (the SDK's default) none: it reads end-of-file at once.
+        stdin = bool(size) or not request.has_field("stdin") or request.stdin
 
         def spawn() -> Any:
             try:
-                return vm.spawn([message.cmd, *message.args], env=env, cwd=cwd, pty=size, user=user)
+                return vm.spawn([message.cmd, *message.args], env=env, cwd=cwd, pty=size, user=user, stdin=stdin)
             except ForkdError as exc:
                 if not defaulted or guest_errno(exc) != errno.ENOENT:
                     raise
             # /home/user is missing (an image where it could not be made): start where the image starts commands
-            return vm.spawn([message.cmd, *message.args], env=env, pty=size, user=user)
+            return vm.spawn([message.cmd, *message.args], env=env, pty=size, user=user, stdin=stdin)
 
         try:
             hub, subscription = await sandbox.processes.start([message.cmd, *message.args], config, spawn)
@@ -165,11 +156,6 @@ class ProcessService(process_connect.Process):
             error = as_api_error(exc, f"starting {message.cmd!r}", sandbox.id)
             code = Code.UNAVAILABLE if error.status == 502 else Code.INVALID_ARGUMENT
             raise ConnectError(code, error.message) from None
-        if not size and request.has_field("stdin") and not request.stdin:
-            # envd gives such a process no stdin: it reads end-of-file at once. Closed beside the start event
-            # rather than before it (one round trip to the guest less before the client hears of the start);
-            # a fork or pause of the sandbox waits for it first (ProcessTable.settle).
-            sandbox.processes.later(_close_stdin(hub))
         return hub, subscription
 
     async def connect(

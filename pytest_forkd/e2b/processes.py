@@ -239,18 +239,6 @@ class ProcessTable:
         self._vm: VM | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed: ApiError | None = None
-        self._pending: set[asyncio.Future[Any]] = set()
-
-    def later(self, coroutine: Any) -> None:
-        """Run ``coroutine`` (a call to the guest no answer waits for) beside the calls; :meth:`settle` awaits it."""
-        task = asyncio.ensure_future(coroutine)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def settle(self) -> None:
-        """Wait for what :meth:`later` runs: a branch of the VM (fork, pause, snapshot) must not freeze it."""
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
 
     def bind(self, vm: VM, loop: asyncio.AbstractEventLoop) -> None:
         """Serve the processes of ``vm`` (a sandbox's VM, after it started, forked or resumed)."""

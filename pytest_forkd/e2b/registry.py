@@ -6,10 +6,9 @@ calls its operations maps onto forkd's:
 - create: a copy-on-write child of the template's snapshot (from the pool
   when one is ready);
 - fork(count): one branch of the running sandbox (it keeps running, under the
-  same id and expiry), then ``count`` children of that branch, handed back
-  once they are restored and running (their guest agents answer their first
-  calls, which wait for them: under TCG most of a child's start is that first
-  answer, and ten of them at once would make the call ten times one);
+  same id and expiry), then ``count`` children of that branch, committed when
+  the call answers and restored in the background, each call to a child
+  waiting for its restore (see :mod:`pytest_forkd.e2b.forks`);
 - pause: the sandbox's whole state branched into the session's snapshot store
   on disk, then its VM ended: no QEMU process and no guest memory of its own
   stays on the host (its template's snapshot, shared with every sandbox of the
@@ -29,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -40,9 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_forkd.aio import AsyncVM
 from pytest_forkd.core.branching import branch
+from pytest_forkd.core.pool import fork_memory_problem
 from pytest_forkd.e2b.api_errors import ApiError, as_api_error, sandbox_gone
 from pytest_forkd.e2b.auth import new_id, new_token
 from pytest_forkd.e2b.config import DEFAULT_TEMPLATE, ServerConfig
+from pytest_forkd.e2b.forks import ForkRestores, started
 from pytest_forkd.e2b.guest_helper import FilesHelper
 from pytest_forkd.e2b.processes import ProcessConfig, ProcessTable
 from pytest_forkd.e2b.sandbox import Lifecycle, Sandbox, State, utc_now
@@ -61,6 +64,8 @@ MAX_FORK_COUNT = 20
 DEBUG_SANDBOX_ID = "debug_sandbox_id"
 _SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,99}")
 _TAG_PREFIX = "e2b-p"
+#: Start errors of fork children kept for the calls that come after the child was removed.
+START_FAILURES_KEPT = 256
 
 
 class SnapshotLease:
@@ -198,6 +203,8 @@ class SandboxRegistry:
         self._closing = False
         self._prefix = f"{_TAG_PREFIX}{os.getpid()}"
         self._debug_lock = asyncio.Lock()
+        self._restores = ForkRestores()
+        self._start_failures: collections.OrderedDict[str, ApiError] = collections.OrderedDict()
 
     @property
     def session(self) -> ForkdSession:
@@ -208,8 +215,17 @@ class SandboxRegistry:
         """The sandbox ``sandbox_id`` (running or paused); 404 (NotFoundException) otherwise."""
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
-            raise ApiError(404, f"sandbox {sandbox_id} not found")
+            raise self._not_found(sandbox_id)
         return sandbox
+
+    def _not_found(self, sandbox_id: str) -> ApiError:
+        failure = self._start_failures.get(sandbox_id)
+        return ApiError(404, f"sandbox {sandbox_id} not found" + (f" ({failure.message})" if failure else ""))
+
+    async def started(self, sandbox: Sandbox) -> None:
+        """Wait until ``sandbox`` has its VM if it is a fork's child still being restored; its start error if
+        the restore failed."""
+        await started(sandbox)
 
     async def running(self, sandbox_id: str) -> Sandbox:
         """The sandbox an in-sandbox call goes to, resumed first if it is paused with auto-resume."""
@@ -217,7 +233,9 @@ class SandboxRegistry:
         if sandbox is None:
             if sandbox_id == DEBUG_SANDBOX_ID and self.config.debug_ports:
                 return await self._debug_sandbox()
-            raise sandbox_gone(sandbox_id)
+            failure = self._start_failures.get(sandbox_id)
+            raise ApiError(failure.status, failure.message) if failure else sandbox_gone(sandbox_id)
+        await started(sandbox)
         if sandbox.state == State.PAUSED:
             if not sandbox.lifecycle.auto_resume:
                 raise sandbox_gone(sandbox_id, "it is paused: resume it with Sandbox.connect()")
@@ -307,9 +325,9 @@ class SandboxRegistry:
     async def kill(self, sandbox_id: str) -> None:
         """End the sandbox: its VM killed, its snapshots released; 404 when there is no such sandbox."""
         sandbox = self.get(sandbox_id)
-        async with sandbox.lock:
+        async with sandbox.lock:  # a fork's child being restored: once it is (see e2b.forks)
             if self.sandboxes.get(sandbox_id) is not sandbox:
-                raise ApiError(404, f"sandbox {sandbox_id} not found")
+                raise self._not_found(sandbox_id)
             del self.sandboxes[sandbox_id]
             if sandbox.timer is not None:
                 sandbox.timer.cancel()
@@ -340,7 +358,6 @@ class SandboxRegistry:
             if sandbox.state == State.PAUSED:
                 return False
             vm = self._vm_of(sandbox)
-            await sandbox.processes.settle()
             tag = f"{self._prefix}-{sandbox.id}-pause{next(self._tags)}"
             try:
                 snapshot = await asyncio.to_thread(branch, vm, tag, store=self.session.store)
@@ -363,6 +380,8 @@ class SandboxRegistry:
         """
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
+            if self.sandboxes.get(sandbox_id) is not sandbox:  # a fork's child that failed to start
+                raise self._not_found(sandbox_id)
             if sandbox.state == State.PAUSED:
                 await self._resume(sandbox, self._timeout(timeout) if timeout else sandbox.timeout_s)
                 return sandbox, True
@@ -385,31 +404,33 @@ class SandboxRegistry:
 
     # -- fork and snapshots -----------------------------------------------------------------------------
     async def fork(self, sandbox_id: str, count: int | None, timeout: int | None) -> list[Sandbox]:
-        """``count`` children of one branch of the running sandbox, which keeps running (same id, same end)."""
+        """``count`` children of one branch of the running sandbox, which keeps running (same id, same end).
+
+        The children answer once the branch is taken: each is restored in the
+        background and its calls wait for that (see :mod:`pytest_forkd.e2b.forks`).
+        """
         count = 1 if count is None else count
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK_COUNT:
             raise ApiError(400, f"count must be an integer between 1 and {MAX_FORK_COUNT}, got {count!r}")
         source = self.get(sandbox_id)
         self._check_room(count)
         timeout_s = self._timeout(timeout) if timeout else source.timeout_s
+        problem = fork_memory_problem(count) if count > 1 else None
+        if problem is not None:
+            raise ApiError(500, f"forking sandbox {sandbox_id} failed: {problem}")
         async with source.lock:
             vm = self._vm_of(source)
-            await source.processes.settle()
             try:
                 snapshot = await asyncio.to_thread(vm.branch)
             except ForkdError as exc:
                 raise ApiError(500, f"forking sandbox {sandbox_id} failed: {exc}") from None
             self.leases.add(snapshot, self.session.factory.session_store)
             self._rehold(source)  # the branch may have re-based the source onto the new snapshot
-            factory = source.template.session.factory
-            try:  # restored and running when this returns; each child's agent answers its first call
-                vms = await asyncio.to_thread(factory.fork_snapshot, snapshot, count, wait_ready=False)
-            except ForkdError as exc:
-                self.leases.release_unheld()
-                raise ApiError(500, f"forking sandbox {sandbox_id} failed: {exc}") from None
             processes = source.processes.copy()
+            helper_pid = _helper_pid(source)
+        factory = source.template.session.factory
         forked = []
-        for child_vm in vms:
+        for _ in range(count):
             child = Sandbox(
                 id=new_id(),
                 template=source.template,
@@ -419,13 +440,46 @@ class SandboxRegistry:
                 lifecycle=source.lifecycle,
                 metadata=dict(source.metadata),
                 envs=dict(source.envs),
+                memory_mib=source.memory_mib,
+                vcpus=source.vcpus,
+                internet=source.internet,
             )
-            self._adopt(child, child_vm, dict(processes), _helper_pid(source))
+            # Held by the child from now on: released if it is killed or fails before its VM holds it.
+            child.held = self.leases.rehold(child.id, set(), {str(snapshot.path)})
             self.sandboxes[child.id] = child
             child.extend(timeout_s)
             self._arm(child)
+            task = await self._restores.start(
+                child,
+                snapshot,
+                factory,
+                adopt=functools.partial(self._adopt_child, processes=processes, helper_pid=helper_pid),
+                fail=self._failed_start,
+                what=f"starting sandbox {child.id} (a fork of {sandbox_id})",
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
             forked.append(child)
         return forked
+
+    def _adopt_child(
+        self, child: Sandbox, vm: VM, *, processes: dict[int, ProcessConfig], helper_pid: int | None
+    ) -> None:
+        if self.sandboxes.get(child.id) is not child or self._closing:
+            raise ApiError(503, "the server is stopping")
+        self._adopt(child, vm, dict(processes), helper_pid)
+
+    def _failed_start(self, child: Sandbox, error: ApiError) -> None:
+        """A fork's child never came up: it is removed, and its calls get ``error`` (see e2b.forks)."""
+        if self.sandboxes.get(child.id) is child:
+            del self.sandboxes[child.id]
+        if child.timer is not None:
+            child.timer.cancel()
+        child.state = State.KILLED
+        self._rehold(child)  # lets go of the branch it was to be restored from
+        self._start_failures[child.id] = error
+        while len(self._start_failures) > START_FAILURES_KEPT:
+            self._start_failures.popitem(last=False)
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> UserSnapshot:
         """A snapshot of the running sandbox (it keeps running) that ``create`` takes as a template."""
@@ -437,7 +491,6 @@ class SandboxRegistry:
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
             vm = self._vm_of(sandbox)
-            await sandbox.processes.settle()
             tag = f"{self._prefix}-{sandbox.id}-snap{next(self._tags)}"
             try:
                 record = await asyncio.to_thread(branch, vm, tag, store=self.session.store)
@@ -569,11 +622,14 @@ class SandboxRegistry:
             self.delete_snapshot(snapshot_id)
         for task in list(self._background):
             task.cancel()
+        self._restores.close()
         self.leases.release_unheld()
         self.catalog.close()
 
     # -- internals --------------------------------------------------------------------------------------
     def _vm_of(self, sandbox: Sandbox) -> VM:
+        if sandbox.state == State.KILLED:  # a fork's child that failed to start (this runs under its lock)
+            raise self._not_found(sandbox.id)
         if sandbox.state != State.RUNNING or sandbox.vm is None:
             raise ApiError(409, f"sandbox {sandbox.id} is {sandbox.state.value}: connect() it first")
         return sandbox.vm.sync

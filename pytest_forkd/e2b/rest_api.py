@@ -269,6 +269,7 @@ class SandboxApi:
     # -- metrics ------------------------------------------------------------------------------------------
     async def metrics(self, request: Request) -> Response:
         sandbox = self.registry.get(request.path_params["sandbox_id"])
+        await self.registry.started(sandbox)
         return JSONResponse([await _metric(sandbox)] if sandbox.state == State.RUNNING else [])
 
     async def metrics_many(self, request: Request) -> Response:
@@ -278,6 +279,7 @@ class SandboxApi:
             for sandbox_id in wanted
             if sandbox_id in self.registry.sandboxes and self.registry.sandboxes[sandbox_id].state == State.RUNNING
         }
+        await asyncio.gather(*(self.registry.started(sandbox) for sandbox in found.values()))
         values = await asyncio.gather(*(_metric(sandbox) for sandbox in found.values()))
         return JSONResponse({"sandboxes": dict(zip(found, values))})
 

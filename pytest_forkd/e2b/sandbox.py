@@ -84,6 +84,8 @@ class Sandbox:
     """Directory watchers of envd made in this sandbox and not removed (bounded by Limits.max_watchers)."""
     timer: asyncio.TimerHandle | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    starting: asyncio.Future[None] | None = None
+    """Set while the sandbox (a fork's child) is being restored; its calls wait for it (see e2b.forks)."""
     created_by: str | None = None
     """Which test made it (the fixture's bookkeeping), else None."""
 

@@ -225,9 +225,13 @@ class E2BServer:
         self._close_sockets()
 
     async def _shutdown(self) -> None:
-        for server in self._servers:
-            server.should_exit = True
-        await self.registry.close()
+        # The sandboxes first (a fork's child being restored is killed once its restore ends), then the
+        # listeners: once uvicorn returns, asyncio.run cancels what is left, this coroutine with it.
+        try:
+            await self.registry.close()
+        finally:
+            for server in self._servers:
+                server.should_exit = True
 
     def _close_sockets(self) -> None:
         for sock, _ in self._sockets:
@@ -281,6 +285,10 @@ async def _vm_of(registry: SandboxRegistry, sandbox_id: str) -> VM:
     sandbox = registry.sandboxes.get(sandbox_id)
     if sandbox is None:
         raise VMError(f"sandbox {sandbox_id} does not exist (killed, timed out, or never made by this server)")
+    try:
+        await registry.started(sandbox)  # a fork's child: once it is restored
+    except ApiError as exc:
+        raise VMError(exc.message) from None
     vm = sandbox.sync_vm
     if vm is None:
         raise VMError(f"sandbox {sandbox_id} is {sandbox.state.value}: it has no VM until it is resumed")

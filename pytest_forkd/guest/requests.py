@@ -66,10 +66,16 @@ def spawn_request(
     max_output: int = DEFAULT_MAX_OUTPUT,
     pty: bool | tuple[int, int] = False,
     user: str | None = None,
+    stdin: bool = True,
 ) -> dict[str, Any]:
-    """The fields of a spawn request, checked: an exec request without timeout, whose process outlives it."""
+    """The fields of a spawn request, checked: an exec request without timeout, whose process outlives it.
+
+    ``stdin=False``: the process gets no stdin pipe and reads end-of-file at once (a terminal keeps its input).
+    """
     request = exec_request(command, env=env, cwd=cwd, max_output=max_output, pty=pty, user=user)
     request["op"] = "spawn"
+    if not stdin:
+        request["stdin"] = False
     return request
 
 

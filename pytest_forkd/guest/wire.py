@@ -93,7 +93,8 @@ of the previous one silently, since nobody reads them any more.
     ignored.
 ``spawn``
     Fields as ``exec`` (``argv`` or ``shell``, ``env``, ``cwd``, ``pty``;
-    ``max_output`` is required, ``window`` is per stream), no ``timeout``.
+    ``max_output`` is required, ``window`` is per stream), no ``timeout``;
+    ``stdin``: false gives the process no stdin (it reads end-of-file at once).
     Starts a process that outlives the request, in its own session and
     cgroup, after checking that its program exists (else a
     ``CommandNotFound`` error naming it). The agent reads its output at once

@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from support import processes_mentioning, wait_until_dead
@@ -93,6 +93,29 @@ def test_fork_gives_copies_with_their_own_writes_while_the_source_runs_on(forkd_
     assert source.get_info().end_at == end and source.commands.run("echo alive").stdout == "alive\n"
     origins = {forkd_e2b.vm(child.sandbox_id).origin.path for child in children}  # type: ignore[union-attr]
     assert len(origins) == 1, "the source was branched once and its children forked from that branch"
+
+
+def test_children_killed_as_soon_as_they_are_forked_leave_no_qemu(
+    forkd_e2b: ForkdE2B, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fork() answers before its children are restored: a kill then waits for the restore and ends the VM."""
+    source = Sandbox.create()
+    factory = forkd_e2b.server.session.factory
+    restored: list[Any] = []
+    fork_snapshot = factory.fork_snapshot
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        vms = fork_snapshot(*args, **kwargs)
+        restored.extend(vms)
+        return vms
+
+    monkeypatch.setattr(factory, "fork_snapshot", recording)  # the children's restores (the pools restore apart)
+    children = source.fork(count=2)
+    assert [child.kill() for child in children] == [True, True]
+    assert not {child.sandbox_id for child in children} & set(forkd_e2b.sandbox_ids())
+    assert len(restored) == 2 and all(vm.closed for vm in restored)
+    assert all(wait_until_dead(vm.machine.pid) for vm in restored), "a killed child's QEMU is left"
+    assert source.commands.run("echo on").stdout == "on\n"
 
 
 def test_pause_frees_the_vm_and_connect_brings_back_files_and_a_running_process(forkd_e2b: ForkdE2B) -> None:

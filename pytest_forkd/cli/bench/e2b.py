@@ -12,15 +12,17 @@ that a change of the host's load hits both alike:
 - ``commands.run("true")`` against ``vm.exec("true")`` on a warm sandbox and
   VM, with ``vm.exec(BASH_TRUE)`` beside them, as root and as E2B's ``user``:
   envd runs a command as ``bash -l -c`` as ``user``, so the last line is the
-  same work; ``vm.spawn(BASH_TRUE)`` as ``user`` (a process with a pid first,
-  its output and end after, as envd's ``Start`` has to be) is the same work
-  done the same way, and what is left over it is the server's own cost;
+  same work; ``vm.spawn(BASH_TRUE)`` as ``user`` without stdin, its output
+  read to the end (a process with a pid first, its output and end after, as
+  envd's ``Start`` has to be and the server runs it) is the same work done
+  the same way, and what is left over it is the server's own cost;
 - ``sandbox.fork(count=10)`` against ``sandbox.fork(count=1)``: the call's
-  wall time (the server hands the children back restored and running,
-  without waiting for their agents' first answers) and the time until every
-  child has answered a ``commands.run("true")`` (sent to all at once), with
+  wall time (the server answers once the branch is taken and the children
+  are committed; each is restored in the background and its calls wait for
+  that, see :mod:`pytest_forkd.e2b.forks`) and the time until every child
+  has answered a ``commands.run("true")`` (sent to all at once), with
   forkd's ``vm.fork(10)`` and ``vm.fork(1)`` of a running VM (which wait for
-  every agent) beside them;
+  every child's restore and agent) beside them;
 - ``pause()`` and ``Sandbox.connect()`` (resume), the bytes the paused
   sandbox keeps in the snapshot store, and whether its QEMU process is gone,
   set beside E2B's and CubeSandbox's published figures.
@@ -77,6 +79,15 @@ def missing_sdk() -> str | None:
     except ImportError as exc:
         return f"the e2b bench part needs the e2b extra ({exc.name} is missing): pip install 'pytest-forkd[e2b]'"
     return None
+
+
+def _spawn_to_the_end(vm: VM) -> int:
+    """``BASH_TRUE`` as envd's ``Start`` runs ``commands.run("true")`` here: a process (its pid first) as ``user``
+    without stdin (the SDK's default), its output read to the end, then its exit."""
+    process = vm.spawn(BASH_TRUE, stdin=False, **AS_USER)
+    process.stdout.read()
+    process.stderr.read()
+    return process.wait()
 
 
 def _filesystem_of(path: Path) -> str:
@@ -154,7 +165,7 @@ class _Samples:
         vm.exec("true")
         vm.exec(BASH_TRUE)
         vm.exec(BASH_TRUE, **AS_USER)
-        vm.spawn(BASH_TRUE, **AS_USER).wait()
+        _spawn_to_the_end(vm)
         for _ in range(rounds):
             started = time.perf_counter()
             sandbox.commands.run("true")
@@ -169,7 +180,7 @@ class _Samples:
             vm.exec(BASH_TRUE, **AS_USER)
             self.add("bash_login_exec_as_user_ms", started)
             started = time.perf_counter()
-            vm.spawn(BASH_TRUE, **AS_USER).wait()  # as envd's processes are: pid first, then output and end
+            _spawn_to_the_end(vm)
             self.add("bash_login_spawn_as_user_ms", started)
 
     def forks(self, sandbox: Any, vm: VM, repeats: int) -> None:

@@ -10,8 +10,10 @@ socketpair for tests: ``Agent(fd, fd).serve_forever()`` in a thread, or
 --stdio`` on a copy as the guest has it) with the channel on stdin and stdout.
 
 One reader thread decodes requests and answers pings itself (they only read
-clocks); every other complete request is handled in its own thread, so a long
-command never delays a ping; every frame is written under one lock. The agent
+clocks); a spawn goes to the one thread that starts and follows every spawned
+process (a vfork and an exec: short); every other complete request is handled
+in its own thread, so a long command never delays a ping; every frame is
+written under one lock. The agent
 never dies on a bad request: it answers with an error, logs to stderr (the
 guest console) and keeps serving.
 
@@ -35,7 +37,7 @@ The parts, each importing only those listed before it:
 * ``cgroups``: a cgroup per command, and the agent kept out of the OOM killer's reach;
 * ``users``: the container image the agent may serve in (its config) and the users commands run as;
 * ``commands``: running one command to its end (``exec``);
-* ``processes``: processes started by ``spawn``, which outlive their request;
+* ``processes``: processes started by ``spawn``, which outlive their request, and the one thread that follows them;
 * ``server``: the protocol loop, request dispatch, cancel, and :func:`main`.
 
 Imports are limited to what the protocol needs: under TCG every module costs.

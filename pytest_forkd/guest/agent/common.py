@@ -9,6 +9,7 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any
 
 # How long the agent keeps collecting output after a command's first process
@@ -44,6 +45,8 @@ _FREE_GROUPS = 4
 _PIPE_READ_SIZE = 256 * 1024
 _PIPE_SIZE = 1 << 20
 _STDIN_WRITE_SIZE = 64 * 1024
+# Buffers one writev() takes (the kernel's IOV_MAX).
+_IOV_MAX = 1024
 
 
 class RequestError(Exception):
@@ -157,6 +160,18 @@ def _write_frame(fd: int, header: bytes, payload: bytes | memoryview) -> None:
         _write_all(fd, header[written:])
         written = len(header)
     _write_all(fd, memoryview(payload)[written - len(header) :])
+
+
+def _write_frames(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """Write several frames' headers and payloads, in order, with as few system calls as the channel allows."""
+    views = [memoryview(part) for part in parts if len(part)]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

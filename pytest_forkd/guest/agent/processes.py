@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import os
@@ -28,18 +29,21 @@ else:
         import wire
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
     from typing import Any
+
+#: Longest the pump waits, once a process's output ended, for the process itself to end (see _Spawned._linger).
+EXIT_LINGER = 0.01
 
 
 class _Spawned:
     """A process started by ``spawn``: it outlives the request, and its output waits (bounded) for a reader.
 
-    One pump thread per process reads its stdout and stderr (or its terminal)
-    as soon as anything arrives, so the process never blocks on a full pipe,
-    and keeps what no host has taken in a :class:`_LiveBuffer` per stream: at
-    most ``max_output`` bytes, the oldest unread half and the newest half,
-    counting what was dropped between them. A host *attaches* with a request
+    The agent's :class:`_ProcessPump` reads its stdout and stderr (or its
+    terminal) as soon as anything arrives, so the process never blocks on a
+    full pipe, and keeps what no host has taken in a :class:`_LiveBuffer` per
+    stream: at most ``max_output`` bytes, the oldest unread half and the
+    newest half, counting what was dropped between them. A host *attaches* with a request
     (``attach``) that then streams: output within per-stream credit, one
     ``exited`` frame as soon as the process ends, ``eof`` per stream, and the
     final frame once everything was delivered; then the agent forgets the
@@ -58,8 +62,9 @@ class _Spawned:
         group: _CommandGroup | None,
         cgroups: CommandCgroups | None,
         max_output: int,
-        send_frame: Callable[[dict[str, Any], bytes], None],
+        send_frames: Callable[[Sequence[tuple[dict[str, Any], bytes | memoryview]]], None],
         finished: Callable[[_Spawned], None],
+        pump: _ProcessPump,
     ) -> None:
         self.pid = process.pid
         self.command = command
@@ -70,7 +75,7 @@ class _Spawned:
         self._owned_fds = set(outputs) | {fd for fd in (stdin_fd, terminal_fd) if fd is not None}
         self._group = group
         self._cgroups = cgroups
-        self._send_frame = send_frame
+        self._send_frames = send_frames
         self._finished = finished
         self._buffers = {wire.STDOUT: _LiveBuffer(max_output), wire.STDERR: _LiveBuffer(max_output)}
         self._closed_streams = {wire.STDOUT, wire.STDERR} - set(outputs.values())
@@ -79,11 +84,12 @@ class _Spawned:
         self._attachment: _Attachment | None = None
         self._replaced: list[_Attachment] = []
         self.exit_code: int | None = None
-        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._exited_at: float | None = None
+        self._pump = pump
         self._exit_fd = os.pidfd_open(process.pid)
         for fd in self._owned_fds:
             os.set_blocking(fd, False)
-        threading.Thread(target=self._pump, name=f"spawned-{self.pid}", daemon=True).start()
+        pump.follow(self)
 
     @classmethod
     def start(
@@ -96,12 +102,17 @@ class _Spawned:
         max_output: int,
         cgroups: CommandCgroups | None,
         child_setup: bool,
-        send_frame: Callable[[dict[str, Any], bytes], None],
+        send_frames: Callable[[Sequence[tuple[dict[str, Any], bytes | memoryview]]], None],
         finished: Callable[[_Spawned], None],
+        pump: _ProcessPump,
         credentials: Credentials = ROOT,
         image: ImageRoot | None = None,
+        stdin: bool = True,
     ) -> _Spawned:
-        """Start ``argv`` in a new session and its own cgroup, on pipes or on a new terminal."""
+        """Start ``argv`` in a new session and its own cgroup, on pipes or on a new terminal.
+
+        ``stdin=False``: the process reads end-of-file at once (no pipe to write to); a terminal always has input.
+        """
         group = cgroups.take() if cgroups is not None else None
         wrap = child_setup or group is not None or not credentials.is_root
         command = _entered(argv, group, credentials, image) if wrap else argv
@@ -109,17 +120,22 @@ class _Spawned:
         ours: list[int] = []
         try:
             if terminal is None:
-                stdin_read, stdin_fd = os.pipe2(os.O_CLOEXEC)
+                stdin_fd: int | None = None
+                child_stdin = subprocess.DEVNULL
+                if stdin:
+                    child_stdin, stdin_fd = os.pipe2(os.O_CLOEXEC)
+                    child_ends.append(child_stdin)
+                    ours.append(stdin_fd)
                 stdout_fd, stdout_write = os.pipe2(os.O_CLOEXEC)
                 stderr_fd, stderr_write = os.pipe2(os.O_CLOEXEC)
-                child_ends += [stdin_read, stdout_write, stderr_write]
-                ours += [stdin_fd, stdout_fd, stderr_fd]
+                child_ends += [stdout_write, stderr_write]
+                ours += [stdout_fd, stderr_fd]
                 for fd in (stdout_fd, stderr_fd):
                     with contextlib.suppress(OSError):
                         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
                 process = subprocess.Popen(
                     command,
-                    stdin=stdin_read,
+                    stdin=child_stdin,
                     stdout=stdout_write,
                     stderr=stderr_write,
                     cwd=cwd,
@@ -142,7 +158,9 @@ class _Spawned:
         finally:
             for fd in child_ends:
                 os.close(fd)
-        return cls(process, argv, outputs, stdin_fd, terminal_fd, group, cgroups, max_output, send_frame, finished)
+        return cls(
+            process, argv, outputs, stdin_fd, terminal_fd, group, cgroups, max_output, send_frames, finished, pump
+        )
 
     # -- requests (handler and reader threads) ---------------------------------------------------
 
@@ -224,44 +242,65 @@ class _Spawned:
         _set_window_size(self._terminal_fd, size)
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_write, b"w")
+        self._pump.wake(self)
 
-    # -- the pump thread ---------------------------------------------------------------------------
+    # -- followed by the pump thread -----------------------------------------------------------------
 
-    def _pump(self) -> None:
-        exited_at = None
-        try:
-            while True:
-                poller = select.poll()
-                poller.register(self._wake_read, select.POLLIN)
-                if self.exit_code is None:
-                    poller.register(self._exit_fd, select.POLLIN)
-                for fd in self._open:
-                    poller.register(fd, select.POLLIN)
-                wait = None
-                if exited_at is not None and self._open:
-                    wait = exited_at + OUTPUT_DRAIN_AFTER_EXIT - time.monotonic()
-                    if wait <= 0:
-                        self._give_up_outputs()
-                        wait = None
-                        continue
-                for fd, _events in poller.poll(None if wait is None else max(wait * 1000, 1)):
-                    if fd == self._wake_read:
-                        with contextlib.suppress(BlockingIOError, OSError):
-                            os.read(self._wake_read, 4096)
-                    elif fd == self._exit_fd:
-                        self.exit_code = self._process.wait()
-                        exited_at = time.monotonic()
-                    elif fd in self._open:
-                        self._read(fd)
-                if self._flush():
-                    return
-        except BaseException as exc:  # a broken pump must not leave the process unaccounted for
-            log_to_stderr(f"the output pump of process {self.pid} failed: {exc!r}")
-            raise
-        finally:
-            self._clean_up()
+    def watched(self) -> list[int]:
+        """The descriptors the pump polls for this process: its exit while it runs, its open outputs."""
+        return ([self._exit_fd] if self.exit_code is None else []) + list(self._open)
+
+    def drain_left(self, now: float) -> float | None:
+        """Seconds left to read what background processes still write after the process ended, else None."""
+        if self._exited_at is None or not self._open:
+            return None
+        return self._exited_at + OUTPUT_DRAIN_AFTER_EXIT - now
+
+    def ready(self, fd: int) -> None:
+        """``fd`` (one of :meth:`watched`) has something: the exit, or output."""
+        if fd == self._exit_fd:
+            self.exit_code = self._process.wait()
+            self._exited_at = time.monotonic()
+        elif fd in self._open:
+            self._read(fd)
+            if fd not in self._open and self.exit_code is None:
+                self._linger()
+
+    def _linger(self) -> None:
+        """An output ended, most often because the process is ending: wait a moment for the rest of that.
+
+        On the guest's one CPU the pump, woken by each stream's end, would
+        otherwise run between the process's closing of its stdout, of its
+        stderr and its exit, and send a frame for each; waiting here lets the
+        process finish, and the ends and the exit go out together. At most
+        :data:`EXIT_LINGER` s, during which the pump follows no other process.
+        """
+        deadline = time.monotonic() + EXIT_LINGER
+        while self.exit_code is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            poller = select.poll()
+            for fd in [self._exit_fd, *self._open]:
+                poller.register(fd, select.POLLIN)
+            for fd, _events in poller.poll(max(left * 1000, 1)):
+                if fd == self._exit_fd:
+                    self.exit_code = self._process.wait()
+                    self._exited_at = time.monotonic()
+                elif fd in self._open:
+                    self._read(fd)
+
+    def advance(self, now: float) -> bool:
+        """Give up outputs whose drain ran out, send what the attachment has credit for; True once done."""
+        left = self.drain_left(now)
+        if left is not None and left <= 0:
+            self._give_up_outputs()
+        if self.exit_code is None and not self._open:
+            # Its outputs closed, most often because it ended: its exit goes out with their ends, in one write.
+            returncode = self._process.poll()
+            if returncode is not None:
+                self.exit_code, self._exited_at = returncode, now
+        return self._flush()
 
     def _read(self, fd: int) -> None:
         data = _read_or_eio(fd, _PIPE_READ_SIZE)
@@ -337,17 +376,26 @@ class _Spawned:
                     )
                     self._attachment = None
                     done = True
-        for fields, payload in frames:
-            self._send_frame(fields, payload)
+        if frames:
+            self._send_frames(frames)
         return done
 
     def _exit_fields(self) -> dict[str, Any]:
         code = self.exit_code
         return {"exited": True, "exit_code": code, "signal": -code if code is not None and code < 0 else None}
 
-    def _clean_up(self) -> None:
+    def abandon(self, reason: str) -> None:
+        """Following the process failed: its stream ends with an error (the pump then kills it)."""
+        with self._lock:
+            attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            error = {"type": "InternalError", "message": f"the agent stopped following process {self.pid}: {reason}"}
+            self._send_frames([({"id": attachment.request_id, "error": error}, b"")])
+
+    def clean_up(self) -> None:
+        """The pump is done with the process (it ended and all was delivered, or following it failed)."""
         self._finished(self)
-        for fd in self._owned_fds | {self._exit_fd, self._wake_read, self._wake_write}:
+        for fd in self._owned_fds | {self._exit_fd}:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._owned_fds.clear()
@@ -357,6 +405,142 @@ class _Spawned:
             self._process.wait()
         if self._group is not None and self._cgroups is not None:
             self._cgroups.release(self._group)
+
+
+class _ProcessPump:
+    """The one thread that starts spawned processes and follows them all: their output, exit and frames.
+
+    A spawn request is short (a vfork and an exec), so it runs here
+    (:meth:`run`) rather than on a thread of its own, and every process is
+    followed from one ``poll`` loop rather than by a thread of its own. Under
+    TCG a thread start costs ~2.5 ms of the guest's one CPU, which the new
+    process wants at that moment too: two of them made a spawn's first frame
+    come ~10 ms after the process had started. The thread starts with the
+    first spawn. A process whose following fails is killed and forgotten; the
+    others go on.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._followed: list[_Spawned] = []
+        self._due: set[_Spawned] = set()
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (a spawn request's handler, which answers it) on the pump thread, in turn."""
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="process-pump", daemon=True)
+                self._thread.start()
+        self._signal()
+
+    def follow(self, spawned: _Spawned) -> None:
+        with self._lock:
+            self._followed.append(spawned)
+            self._due.add(spawned)
+        self._signal()
+
+    def wake(self, spawned: _Spawned) -> None:
+        """Something changed for ``spawned`` outside the pump (an attachment, credit): flush it."""
+        with self._lock:
+            self._due.add(spawned)
+        self._signal()
+
+    def close(self) -> None:
+        """The agent stops serving: the thread ends once the processes it follows have ended."""
+        with self._lock:
+            self._closing = True
+            if self._thread is None:
+                self._close_pipe()
+                return
+        self._signal()
+
+    def _signal(self) -> None:
+        with self._lock:  # never a write to a descriptor number the pump has closed (and the system reused)
+            if self._wake_write >= 0:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.write(self._wake_write, b"w")
+
+    def _close_pipe(self) -> None:
+        """Under the lock: the wake-up pipe goes with the thread."""
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                jobs = list(self._jobs)
+                self._jobs.clear()
+            for job in jobs:
+                try:
+                    job()
+                except Exception as exc:  # noqa: BLE001 - a job answers its request itself; the pump goes on
+                    log_to_stderr(f"a spawn request failed on the process pump: {exc!r}")
+            with self._lock:
+                followed = list(self._followed)
+                if self._closing and not followed and not self._jobs:
+                    self._thread = None
+                    self._close_pipe()
+                    return
+            poller = select.poll()
+            poller.register(self._wake_read, select.POLLIN)
+            owners: dict[int, _Spawned] = {}
+            now = time.monotonic()
+            wait: float | None = None
+            for spawned in followed:
+                for fd in spawned.watched():
+                    poller.register(fd, select.POLLIN)
+                    owners[fd] = spawned
+                left = spawned.drain_left(now)
+                if left is not None:
+                    wait = left if wait is None else min(wait, left)
+            touched: set[_Spawned] = set()
+            for fd, _events in poller.poll(None if wait is None else max(wait * 1000, 0)):
+                if fd == self._wake_read:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_read, 4096)
+                elif fd in owners:
+                    self._step(owners[fd], owners[fd].ready, fd)
+                    touched.add(owners[fd])
+            now = time.monotonic()
+            with self._lock:
+                touched |= self._due
+                self._due = set()
+            for spawned in followed:
+                left = spawned.drain_left(now)
+                if left is not None and left <= 0:
+                    touched.add(spawned)
+            for spawned in touched:
+                if self._step(spawned, spawned.advance, now):
+                    self._forget(spawned)
+
+    def _step(self, spawned: _Spawned, action: Callable[..., bool | None], *args: Any) -> bool:
+        """``action(*args)`` of a followed process; one that fails is killed and forgotten (True: it is done)."""
+        with self._lock:
+            if spawned not in self._followed:
+                return False
+        try:
+            return bool(action(*args))
+        except Exception as exc:  # noqa: BLE001 - one broken process must neither stop the others nor be left running
+            log_to_stderr(f"following process {spawned.pid} failed: {exc!r}")
+            with contextlib.suppress(Exception):
+                spawned.abandon(repr(exc))
+            self._forget(spawned)
+            return False
+
+    def _forget(self, spawned: _Spawned) -> None:
+        with self._lock:
+            if spawned not in self._followed:
+                return
+            self._followed.remove(spawned)
+            self._due.discard(spawned)
+        spawned.clean_up()
 
 
 class _Attachment:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -23,12 +24,13 @@ from .common import (
     _required,
     _tarstream,
     _write_frame,
+    _write_frames,
     log_to_stderr,
     mix_into_urandom,
     set_wall_clock,
 )
 from .files import _ArchiveSink, _InPlaceUpload, _MemorySink, _RefusedPayload, _UploadSink, _WithdrawnPayload
-from .processes import _Spawned
+from .processes import _ProcessPump, _Spawned
 from .streams import _OutputStream, _send_within_credit, _StreamCapture, _StreamStopper
 from .terminal import _terminal_size, _unignore_terminal_signals
 from .users import ROOT, Credentials, ImageRoot, acting_as, enter_image, resolve_user
@@ -43,7 +45,7 @@ else:
         import wire
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
     from typing import Any, TypeAlias
 
     #: What a request's payload goes into (see ``Agent._sink_for``).
@@ -107,6 +109,7 @@ class Agent:
         # Processes started by `spawn`, by guest pid, and their host attachments by request id.
         self._processes: dict[int, _Spawned] = {}
         self._attachments: dict[int, _Spawned] = {}
+        self._pump = _ProcessPump()
         self._client: str | None = None
         self._client_lock = threading.Lock()  # orders attachments with the switch to a new host client
         self._operations.update(
@@ -120,19 +123,22 @@ class Agent:
 
     def serve_forever(self) -> None:
         """Serve until the input ends (unless ``wait_on_eof``); read errors propagate."""
-        while True:
-            try:
-                frame = self._reader.read_frame()
-            except wire.MalformedFrame as exc:
-                self._log(f"malformed input: {exc}")
-                continue
-            if frame is not None:
-                self._on_frame(frame)
-                continue
-            self._abandon_incoming("the host disconnected")
-            if not self._wait_on_eof:
-                return
-            time.sleep(RECONNECT_POLL_INTERVAL)
+        try:
+            while True:
+                try:
+                    frame = self._reader.read_frame()
+                except wire.MalformedFrame as exc:
+                    self._log(f"malformed input: {exc}")
+                    continue
+                if frame is not None:
+                    self._on_frame(frame)
+                    continue
+                self._abandon_incoming("the host disconnected")
+                if not self._wait_on_eof:
+                    return
+                time.sleep(RECONNECT_POLL_INTERVAL)
+        finally:
+            self._pump.close()  # its thread ends with the last process it follows
 
     def _read(self, size: int) -> bytes:
         return os.read(self._fd_in, size)
@@ -248,6 +254,9 @@ class Agent:
             # Answered here: it only reads clocks, and starting a thread (a new stack, its first
             # pages) cost more than the ping itself, in every restore's first round trip most of all.
             self._handle(incoming.fields, incoming.sink)
+            return
+        if incoming.fields["op"] == "spawn":  # short (a vfork and an exec): on the thread that follows processes
+            self._pump.run(functools.partial(self._handle, incoming.fields, incoming.sink))
             return
         with self._handling_lock:
             self._handling[request_id] = _Running()
@@ -445,6 +454,9 @@ class Agent:
         if max_output is None or max_output < 0:
             raise RequestError("BadRequest", f"'max_output' must be a number of bytes >= 0, got {max_output}")
         terminal = _terminal_size(fields)
+        stdin = fields.get("stdin", True)
+        if not isinstance(stdin, bool):
+            raise RequestError("BadRequest", f"'stdin' must be true or false, got {stdin!r}")
         credentials, env = self._credentials(fields, env)
         _check_program(argv, env if env is not None else os.environ, cwd)
         spawned = _Spawned.start(
@@ -455,10 +467,12 @@ class Agent:
             max_output=max_output,
             cgroups=self._cgroups,
             child_setup=self._oom_target,
-            send_frame=self._send_frame,
+            send_frames=self._send_frames,
             finished=self._forget_process,
+            pump=self._pump,
             credentials=credentials,
             image=self._image,
+            stdin=stdin,
         )
         self._processes[spawned.pid] = spawned
         self._start_attachment(spawned, fields)
@@ -629,6 +643,17 @@ class Agent:
         except OSError as exc:
             # The host went away; nobody is left to answer.
             self._log(f"cannot send the reply to request {fields['id']}: {exc}")
+
+    def _send_frames(self, frames: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> None:
+        """Send frames together, in one write where the channel takes it (each write costs under emulation)."""
+        parts: list[bytes | memoryview] = []
+        for fields, payload in frames:
+            parts += [wire.encode_header(fields, len(payload)), payload]
+        try:
+            with self._write_lock:
+                _write_frames(self._fd_out, parts)
+        except OSError as exc:
+            self._log(f"cannot send the reply to request {frames[0][0]['id']}: {exc}")
 
 
 class _IncomingRequest:
