@@ -19,12 +19,15 @@
 
 ``pytest -m "not vm"`` is the fast layer: no QEMU, no real container
 tooling, the fake engine where a VM is needed (tests/contract), and no
-``slow`` test, in under 30 s on one core. ``slow`` and ``oci_tools`` tests
-come back when the expression names the marker (``-m "not vm and slow"``,
-``-m oci_tools``) or ``FORKD_TESTS_SLOW=1`` is set. Without ``-m`` every test
-runs. The fast layer does not even import the test modules it would deselect
-whole (``fast_layer_skips``): importing them is most of what they would cost
-it.
+``slow`` test, in under 30 s. ``slow`` and ``oci_tools`` tests come back
+when the expression names the marker (``-m "not vm and slow"``, ``-m
+oci_tools``) or ``FORKD_TESTS_SLOW=1`` is set. Without ``-m`` every test runs.
+The fast layer does not even import the test modules it would deselect whole
+(``fast_layer_skips``): importing them is most of what they would cost it.
+Run over whole folders, it spreads over the usable cores with pytest-xdist
+(``fast_layer_workers``): about half its time is waiting for the processes
+its tests start, which the other core fills. ``-n 0`` keeps it in one process
+(for ``--pdb``, or to time one test).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import functools
 import gc
 import os
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -141,6 +145,46 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def fast_layer_workers(config: pytest.Config) -> int:
+    """How many xdist workers the fast layer gets: one per usable core (at most 4), when it runs whole folders.
+
+    Only when no ``-n`` was given, pytest-xdist is loaded, and nothing in the
+    command line needs one process (``--pdb``, ``-s``, ``--collect-only``); a
+    file or a test named on the command line runs in one process, where a
+    worker's start would cost more than it saves.
+    """
+    option = config.option
+    if (
+        not _left_out(config)
+        or not config.pluginmanager.hasplugin("xdist")
+        or hasattr(config, "workerinput")
+        or getattr(option, "numprocesses", 0) is not None
+        or option.usepdb
+        or option.capture == "no"
+        or option.collectonly
+    ):
+        return 0
+    here = config.invocation_params.dir
+    if not all((here / arg).is_dir() for arg in config.args):
+        return 0
+    cores = len(os.sched_getaffinity(0))
+    return min(cores, 4) if cores > 1 else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Give the fast layer its workers before pytest-xdist reads ``-n`` (this hook runs first: registered later)."""
+    workers = fast_layer_workers(config)
+    if workers:
+        config.option.numprocesses = workers
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if getattr(config.option, "numprocesses", None) and _left_out(config) and not hasattr(config, "workerinput"):
+        return f"fast layer: {config.option.numprocesses} workers (-n 0 runs it in one process)"
+    return None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection(session: pytest.Session) -> Iterator[object]:
     """Collection without full garbage collections; what it leaves is then frozen out of later ones.
@@ -161,6 +205,23 @@ def pytest_collection(session: pytest.Session) -> Iterator[object]:
         gc.set_threshold(*thresholds)
         gc.collect()
         gc.freeze()
+        _frozen_modules[0] = len(sys.modules)
+
+
+#: How many modules were loaded when the live objects were last frozen out of full collections.
+_frozen_modules = [0]
+
+
+def pytest_runtest_logfinish() -> None:
+    """After a test that imported a framework (an SDK on first use, Inspect's first eval), freeze again.
+
+    Those modules live to the end of the run as well, and a full collection
+    would walk them every time; a few hundred new modules is a second of
+    importing, so freezing after them costs nothing in comparison.
+    """
+    if len(sys.modules) - _frozen_modules[0] >= 200:
+        gc.freeze()
+        _frozen_modules[0] = len(sys.modules)
 
 
 @pytest.hookimpl(trylast=True)

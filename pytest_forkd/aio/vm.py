@@ -312,6 +312,7 @@ class AsyncVM(_AsyncContext):
         pty: bool | tuple[int, int] = False,
         max_output: int | None = None,
         user: str | None = None,
+        stdin: bool = True,
     ) -> AsyncGuestProcess:
         """``VM.spawn``, awaited: start a process and return its handle once it runs.
 
@@ -324,7 +325,9 @@ class AsyncVM(_AsyncContext):
         process = await self._offload(
             f"spawning {command!r}",
             "spawn",
-            functools.partial(self._vm.spawn, command, env=env, cwd=cwd, pty=pty, max_output=max_output, user=user),
+            functools.partial(
+                self._vm.spawn, command, env=env, cwd=cwd, pty=pty, max_output=max_output, user=user, stdin=stdin
+            ),
             discard=_kill_process,
         )
         return AsyncGuestProcess(process, self)

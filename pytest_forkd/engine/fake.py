@@ -3,9 +3,11 @@
 A fake machine is two real things and no emulation:
 
 * its **guest** is the real agent (``guest/agent/`` package next to ``wire.py``, as
-  in an image) run on the host as a child process in ``--stdio`` mode, with the
-  agent channel a socketpair: every request goes through the real wire
-  protocol and the real client. The guest's "filesystem" is a private
+  in an image) run on the host as a process of its own in ``--stdio`` mode,
+  with the agent channel a socketpair: every request goes through the real
+  wire protocol and the real client. Agents are forked from a template
+  process that imported the agent once (:mod:`~pytest_forkd.engine.fake_agents`),
+  a millisecond where a fresh interpreter takes tens. The guest's "filesystem" is a private
   directory, the agent's working directory (and ``HOME``/``TMPDIR``): guest
   commands that use relative paths, ``$HOME`` or ``$TMPDIR`` stay in it.
   Absolute paths elsewhere reach the host, as the agent does in unit tests.
@@ -28,9 +30,7 @@ fake has no network and no live snapshot (its capabilities say so, and the
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import errno
 import hashlib
 import io
 import json
@@ -50,161 +50,17 @@ from typing import Any, Callable
 
 from pytest_forkd import private
 from pytest_forkd.engine.base import Capabilities, Engine, EngineError, MemoryLayout, ProbeBoot
+from pytest_forkd.engine.fake_agents import ForkedAgent, descendants, start_agent
 from pytest_forkd.engine.memory import PAGE_SIZE, pagemap_scan_problem
 from pytest_forkd.engine.network import NetworkError, NetworkSpec
 from pytest_forkd.engine.rundir import private_open
-from pytest_forkd.engine.spawner import SPAWN_TIMEOUT_S, SpawnTimeout, spawn
 from pytest_forkd.errors import GuestCrashed, InvalidArgument
-from pytest_forkd.guest import GUEST_DIR, agent_files
+from pytest_forkd.guest import agent_files
 
-#: The agent package, run from beside the protocol module it imports, like in the guest.
-AGENT_SCRIPT = GUEST_DIR / "agent"
 #: Header of the guest directory's image in memory: magic, then the tar stream's length.
 MEMORY_MAGIC = b"FORKDFAKEMEM\x00\x00\x00\x01"
 _HEADER = struct.Struct("<16sQ")
 STATE_FORMAT = "forkd-fake-device-state/1"
-#: The template every fake machine's agent is forked from (see :class:`_Template`). It imports the
-#: agent package once, then serves requests on its stdin (a SOCK_SEQPACKET socket): each is a JSON
-#: record ``{"id", "cwd", "env", "umask", "args"}`` carrying the guest channel and the console as two
-#: descriptors. It forks a child per request and answers ``{"id", "pid"}`` (or ``{"id", "error"}``),
-#: then ``{"exited": PID, "status": CODE}`` when that child ends (it is the children's parent, so it
-#: reaps them). The child becomes what ``python -c`` running the agent package as ``__main__`` would
-#: be: its own session, the machine's directory, environment and umask, the channel on stdin and
-#: stdout, the console on stderr, a child subreaper (commands it starts in their own sessions, and
-#: what they leave running in the background, stay its descendants, so pausing and killing the
-#: machine reach them, as a QEMU guest's processes die with QEMU). The agent returns when the host
-#: hangs up, which closing a VM does before it kills the machine: the guest's processes are killed
-#: then, before the agent exits, as they would be reparented out of the machine's reach. Death
-#: signals chain: the template dies with the process that started it, each agent with the template.
-TEMPLATE = """\
-import ctypes, json, os, runpy, select, signal, socket, sys, traceback
-libc = ctypes.CDLL(None)
-libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: killed with the process that spawned it
-script = sys.argv[1]
-sys.path.insert(0, script.rpartition('/')[0])
-import agent  # noqa: the agent's modules, once for every machine
-
-template = os.getpid()
-control = socket.socket(fileno=os.dup(0))
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0)
-os.close(null)
-wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-
-
-def below():
-    children = {}
-    for entry in os.listdir('/proc'):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f'/proc/{entry}/stat', 'rb') as stat:
-                children.setdefault(int(stat.read().rsplit(b')', 1)[1].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    found, stack = [], [os.getpid()]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def become_agent(fds, request):
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in (wake_r, wake_w):
-        os.close(fd)
-    control.close()
-    os.setsid()
-    channel, console = fds
-    os.dup2(channel, 0)
-    os.dup2(channel, 1)
-    os.dup2(console, 2)
-    os.close(channel)
-    os.close(console)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # killed with the template, which is killed with its owner
-    if os.getppid() != template:
-        return 1  # the template died before the death signal was set
-    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    os.chdir(request['cwd'])
-    os.umask(request['umask'])
-    os.environ.clear()
-    os.environ.update(request['env'])
-    sys.argv = [script, *request['args']]
-    try:
-        runpy.run_path(script, run_name='__main__')
-        return 0
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    finally:
-        for _ in range(2):  # a process forked during the first pass is below the second
-            pids = below()
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            if not pids:
-                break
-
-
-def reap():
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if not pid:
-            return
-        control.send(json.dumps({'exited': pid, 'status': os.waitstatus_to_exitcode(status)}).encode())
-
-
-poller = select.poll()
-poller.register(control, select.POLLIN)
-poller.register(wake_r, select.POLLIN)
-while True:
-    for fd, _ in poller.poll():
-        if fd == wake_r:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
-            reap()
-            continue
-        data, fds, flags, _ = socket.recv_fds(control, 1 << 20, 2)
-        if not data:
-            sys.exit(0)  # the owner hung up, or died: the agents go with this process
-        request = {}
-        try:
-            request = json.loads(data)
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 2:
-                raise ValueError('a request too large, or without its two descriptors')
-            pid = os.fork()
-        except Exception as exc:
-            for each in fds:
-                os.close(each)
-            control.send(json.dumps({'id': request.get('id'), 'error': f'{type(exc).__name__}: {exc}'}).encode())
-            continue
-        if pid == 0:
-            code = 1
-            try:
-                code = become_agent(fds, request)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:
-                        pass
-                os._exit(code)
-        for each in fds:
-            os.close(each)
-        control.send(json.dumps({'id': request['id'], 'pid': pid}).encode())
-"""
 NO_LIVE_SNAPSHOT = "the fake engine has no live snapshot (use the full or diff backend, or the qemu engine)"
 NO_NETWORK = "the fake engine has no network card; use the qemu engine for networked VMs"
 
@@ -328,187 +184,6 @@ def _no_card(network: NetworkSpec | None) -> None:
         raise NetworkError(NO_NETWORK)
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it (``os.umask`` would, for every thread, meanwhile)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
-class _Template:
-    """A process with the agent's modules imported that forks each fake machine's agent (:data:`TEMPLATE`).
-
-    Starting the agent as a fresh interpreter costs tens of milliseconds of
-    CPU (the interpreter, then the agent's imports), and test runs start
-    hundreds; a fork of this process costs one. Each agent is still a process
-    of its own, in a session of its own, in its machine's directory, with the
-    environment and umask this process has when the machine starts. One
-    template per interpreter, started on first use; it lives as long as this
-    process (it dies with it, as its agents die with it) or until it is lost.
-    """
-
-    def __init__(self, python: str) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._process = spawn(
-                [python, "-E", "-s", "-S", "-c", TEMPLATE, str(AGENT_SCRIPT)],
-                stdin=theirs,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                die_with_parent=False,  # the template sets its death signal itself: see TEMPLATE
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self._socket = ours
-        self._changed = threading.Condition()
-        self._next_id = 0
-        self._replies: dict[int, dict[str, Any]] = {}
-        self._abandoned: set[int] = set()
-        self._statuses: dict[int, int] = {}
-        self.alive = True
-        threading.Thread(target=self._read, name="forkd-fake-template", daemon=True).start()
-
-    def start(self, channel: socket.socket, console: int, cwd: Path, env: dict[str, str]) -> _Agent:
-        """Fork an agent serving ``channel`` (its stdin and stdout) with ``console`` as its stderr."""
-        with self._changed:
-            self._next_id += 1
-            ident = self._next_id
-        request = {"id": ident, "cwd": str(cwd), "env": env, "umask": _umask(), "args": ["--stdio"]}
-        try:
-            socket.send_fds(self._socket, [json.dumps(request).encode()], [channel.fileno(), console])
-        except OSError as exc:
-            if exc.errno == errno.EMSGSIZE:
-                raise EngineError(
-                    f"a fake machine's environment ({len(json.dumps(env))} bytes as JSON) is too large to "
-                    "hand to its agent; start it with fewer or shorter environment variables"
-                ) from exc
-            raise EngineError(f"the fake engine's agent template is gone ({exc}): {self._stderr()}") from exc
-        deadline = SPAWN_TIMEOUT_S
-        with self._changed:
-            if not self._changed.wait_for(lambda: ident in self._replies or not self.alive, timeout=deadline):
-                self._abandoned.add(ident)  # a late answer's agent is killed: nobody owns it
-                raise SpawnTimeout(f"the fake engine's agent template did not fork an agent within {deadline:.0f} s")
-            reply = self._replies.pop(ident, None)
-        if reply is None:
-            raise EngineError(f"the fake engine's agent template exited: {self._stderr()}")
-        if "error" in reply:
-            raise EngineError(f"the fake engine's agent template could not start an agent: {reply['error']}")
-        return _Agent(self, int(reply["pid"]))
-
-    def status(self, pid: int, timeout: float | None = 0) -> int | None:
-        """The exit status of agent ``pid`` once it ended (waiting up to ``timeout`` seconds), else None."""
-        with self._changed:
-            self._changed.wait_for(lambda: pid in self._statuses or not self.alive, timeout=timeout)
-            if pid in self._statuses:
-                return self._statuses[pid]
-            return None if self.alive else -signal.SIGKILL  # its agents die with it
-
-    def close(self) -> None:
-        """Hang up: the template exits (the agents it still has die with it); wait for it."""
-        try:
-            self._socket.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                data = self._socket.recv(1 << 16)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            message = json.loads(data)
-            with self._changed:
-                if "exited" in message:
-                    self._statuses[message["exited"]] = message["status"]
-                elif message.get("id") in self._abandoned:
-                    self._abandoned.discard(message["id"])
-                    if "pid" in message:
-                        os.kill(message["pid"], signal.SIGKILL)
-                else:
-                    if "pid" in message:  # a pid of an agent that ended before is this one's now
-                        self._statuses.pop(message["pid"], None)
-                    self._replies[message.get("id")] = message
-                self._changed.notify_all()
-        with self._changed:
-            self.alive = False
-            self._changed.notify_all()
-        self._socket.close()
-        self._process.wait()
-
-    def _stderr(self) -> str:
-        """What the template wrote before it ended (it writes nothing while it serves)."""
-        self.alive = False
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            return "it stopped answering and was killed"
-        assert self._process.stderr is not None
-        text = self._process.stderr.read().decode(errors="replace").strip()
-        return f"status {self._process.returncode}" + (f": {text.splitlines()[-1]}" if text else "")
-
-
-class _Agent:
-    """A fake machine's agent forked by the template: the part of ``subprocess.Popen`` a machine uses."""
-
-    def __init__(self, template: _Template, pid: int) -> None:
-        self._template = template
-        self.pid = pid
-
-    def poll(self) -> int | None:
-        return self._template.status(self.pid)
-
-    def wait(self, timeout: float | None = None) -> int:
-        status = self._template.status(self.pid, timeout)
-        if status is None:
-            raise subprocess.TimeoutExpired(f"fake agent {self.pid}", timeout or 0)
-        return status
-
-
-_templates: dict[str, _Template] = {}
-_templates_lock = threading.Lock()
-
-
-def _template(python: str) -> _Template:
-    with _templates_lock:
-        template = _templates.get(python)
-        if template is None or not template.alive:
-            template = _templates[python] = _Template(python)
-        return template
-
-
-def _forget_templates() -> None:
-    """In a forked child: the templates and the thread reading them belong to the parent."""
-    global _templates_lock
-    _templates.clear()
-    _templates_lock = threading.Lock()
-
-
-def _close_templates() -> None:
-    """At exit, so that no process of this one outlives it, even for a moment."""
-    for template in list(_templates.values()):
-        template.close()
-
-
-os.register_at_fork(after_in_child=_forget_templates)
-atexit.register(_close_templates)
-
-
 class FakeMachine:
     """One fake machine: the agent as a host process, guest RAM as a file mapped into this process."""
 
@@ -525,7 +200,7 @@ class FakeMachine:
         self.console_path = directory / f"{name}.console"
         self._python = python
         self._lock = threading.RLock()
-        self._process: _Agent | None = None
+        self._process: ForkedAgent | None = None
         self._paused = True
         self._closed = False
         self._fd = -1
@@ -574,7 +249,7 @@ class FakeMachine:
         env = {**os.environ, "HOME": str(self.root), "TMPDIR": str(self.root / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
         console = private_open(self.console_path)
         try:
-            self._process = _template(self._python).start(self._guest_end, console, self.root, env)
+            self._process = start_agent(self._python, self._guest_end, console, self.root, env)
         finally:
             os.close(console)
             self._guest_end.close()
@@ -753,7 +428,7 @@ class FakeMachine:
     def _signal(self, signum: int) -> None:
         """Send ``signum`` to the agent and every process below it (commands run in sessions of their own)."""
         assert self._process is not None
-        for pid in [self._process.pid, *_descendants(self._process.pid)]:
+        for pid in [self._process.pid, *descendants(self._process.pid)]:
             try:
                 os.kill(pid, signum)
             except (ProcessLookupError, PermissionError):
@@ -762,27 +437,6 @@ class FakeMachine:
     def _require_alive(self, what: str) -> None:
         if self._closed:
             raise EngineError(f"fake VM {self.name} is closed; it cannot {what}")
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below ``root``, from /proc (parents before children)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found: list[int] = []
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def guest_path(vm: Any, relative: str = "") -> str:

@@ -180,7 +180,7 @@ async def test_keepalive_lines_fill_long_silences(
     interpreter: CodeInterpreter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(interpreter_module, "KEEPALIVE_S", 0.05)
-    lines = await run(interpreter, "import time; time.sleep(0.25); 'awake'")
+    lines = await run(interpreter, "import time; time.sleep(0.15); 'awake'")
     assert {"type": "keepalive"} in lines and text(lines) == "awake"
 
 

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,7 +331,7 @@ def test_output_waits_for_credit_beyond_the_window(context: GuestContext) -> Non
         received += len(message.get("text", ""))
     while True:  # then it stops: a context that ignored the window would go on to its end
         try:
-            message = context.next(timeout=0.3, credit=False)
+            message = context.next(timeout=0.2, credit=False)
         except queue.Empty:
             break  # it stopped: the window is full
         assert message["type"] != "done", "the whole output went out without credit"
@@ -384,7 +385,17 @@ def test_sigint_interrupts_the_running_cell_and_nothing_else(context: GuestConte
     assert context.next()["type"] == "number_of_executions"
     assert context.next()["text"] == "sleeping\n"
     context.interrupt()
-    lines = context.until_done(cell, timeout=30)
+    lines: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 30
+    while not lines or lines[-1]["type"] != "done":
+        try:
+            lines.append(context.next(timeout=1))
+        except queue.Empty:
+            # It came between the print and the sleep: CPython runs the handler when the sleep returns.
+            # The host sends SIGINT again while the cell runs (INTERRUPT_REPEAT_S); so does this test.
+            assert time.monotonic() < deadline, "the cell was never interrupted"
+            context.interrupt()
+    assert all(line.get("cell") == cell for line in lines)
     (error,) = of_type(lines, "error")
     assert error["name"] == "KeyboardInterrupt"
     assert "time.sleep(60)" in error["traceback"] and "on_sigint" not in error["traceback"]

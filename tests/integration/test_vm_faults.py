@@ -209,8 +209,9 @@ def test_cli_doctor_reports_the_accelerator_verdict(shm_root: Path) -> None:
     result = forkd("doctor", shm_root=shm_root)
 
     assert result.returncode == 0, result.stdout + result.stderr
-    verdicts = re.findall(r"^\[ok  \] accel +(\w+): ", result.stdout, re.M)
-    assert verdicts in (["kvm"], ["tcg"]), result.stdout
+    # KVM is [ok]; TCG works but is several times slower, so it is a [warn] (see troubleshooting)
+    verdicts = re.findall(r"^\[(ok  |warn)\] accel +(\w+): ", result.stdout, re.M)
+    assert verdicts in ([("ok  ", "kvm")], [("warn", "tcg")]), result.stdout
     assert result.stdout.splitlines()[-1] == "ready"
     assert_nothing_left_under(shm_root)
 

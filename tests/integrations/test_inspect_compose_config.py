@@ -10,29 +10,49 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from inspect_scripts import offline_tokens, scripted_model
 
-pytest.importorskip("inspect_ai", reason="needs inspect-ai: pip install 'pytest-forkd[inspect]'")
+from pytest_forkd.errors import ConfigError
+from pytest_forkd.integrations.compose import ServiceBuild
+from pytest_forkd.integrations.compose_commands import ServiceProcess
+from pytest_forkd.integrations.sessions import SESSIONS, ImageGuest
 
-from inspect_ai import Task  # noqa: E402
-from inspect_ai import eval as inspect_eval  # noqa: E402
-from inspect_ai._eval.loader import resolve_task_sandbox  # noqa: E402
-from inspect_ai.dataset import Sample  # noqa: E402
-from inspect_ai.util import ComposeConfig  # noqa: E402
-from inspect_scripts import offline_tokens, scripted_model  # noqa: E402
+if TYPE_CHECKING:  # bound by inspect_imported below
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai._eval.loader import resolve_task_sandbox
+    from inspect_ai.dataset import Sample
+    from inspect_ai.util import ComposeConfig
 
-from pytest_forkd.errors import ConfigError  # noqa: E402
-from pytest_forkd.integrations import inspect_sandbox  # noqa: E402
-from pytest_forkd.integrations import inspect_support as support  # noqa: E402
-from pytest_forkd.integrations.compose import ServiceBuild  # noqa: E402
-from pytest_forkd.integrations.compose_commands import ServiceProcess  # noqa: E402
-from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
-from pytest_forkd.integrations.sessions import (
-    SESSIONS,  # noqa: E402
-    ImageGuest,  # noqa: E402
-)
+    from pytest_forkd.integrations import inspect_sandbox
+    from pytest_forkd.integrations import inspect_support as support
+    from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment
+
+
+@pytest.fixture(autouse=True, scope="module")
+def inspect_imported() -> None:
+    """Inspect and forkd's sandbox for it, imported when this module's first test runs, not at collection.
+
+    Importing Inspect takes a second: a run that selects none of these tests
+    (``-k``, another file) does not pay it. The names become the module's, as
+    imports at its top would make them.
+    """
+    global Task, inspect_eval, resolve_task_sandbox, Sample, ComposeConfig
+    global inspect_sandbox, support, ForkdSandboxEnvironment
+    pytest.importorskip("inspect_ai", reason="needs inspect-ai: pip install 'pytest-forkd[inspect]'")
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai._eval.loader import resolve_task_sandbox
+    from inspect_ai.dataset import Sample
+    from inspect_ai.util import ComposeConfig
+
+    from pytest_forkd.integrations import inspect_sandbox
+    from pytest_forkd.integrations import inspect_support as support
+    from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment
+
 
 COMPOSE = """\
 services:
@@ -110,6 +130,7 @@ def one_sample(sample_id: str, config: str) -> Sample:
     return Sample(id=sample_id, input="[]", sandbox=("forkd", config))
 
 
+@pytest.mark.slow  # a real Inspect eval of three samples: seconds
 def test_configs_forkd_cannot_run_fail_their_own_samples_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,6 +21,7 @@ pytest.importorskip("minisweagent", reason='needs mini-swe-agent: pip install "p
 
 from minisweagent.environments import get_environment  # noqa: E402
 from minisweagent.exceptions import Submitted  # noqa: E402
+from support import is_running  # noqa: E402
 
 from pytest_forkd.core.factory import VMFactory  # noqa: E402
 from pytest_forkd.core.vm import VM  # noqa: E402
@@ -167,14 +168,6 @@ def test_no_submission_unless_the_sentinel_is_the_first_line_of_a_success(
         env.cleanup()
 
 
-def running(pid: int) -> bool:
-    """Whether the host process ``pid`` (a fake guest's command) still runs: not gone, not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
 @pytest.mark.slow  # mini-swe-agent's timeouts are whole seconds: the two below cost two seconds of waiting
 def test_a_timeout_is_reported_as_dockers_and_the_command_is_killed(opened: dict[Any, Any], tmp_path: Path) -> None:
     env = environment(tmp_path, cwd=str(tmp_path), timeout=1)
@@ -190,7 +183,7 @@ def test_a_timeout_is_reported_as_dockers_and_the_command_is_killed(opened: dict
         assert result["extra"]["exception_type"] == "TimeoutExpired"
         # Killed with its shell and what the shell started, unlike a docker exec that outlives its client.
         shell_and_sleep = [int(pid) for pid in pids.read_text().split()]
-        poll_until(lambda: not any(map(running, shell_and_sleep)), timeout=10, what="the timed-out command to die")
+        poll_until(lambda: not any(map(is_running, shell_and_sleep)), timeout=10, what="the timed-out command to die")
         assert not marker.exists()
         # The call's own timeout wins over the configured one: this outlasts 1 s and ends well within 5.
         assert env.execute({"command": "sleep 1.2; echo late"}, timeout=5)["output"] == "late\n"

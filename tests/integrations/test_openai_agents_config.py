@@ -10,15 +10,31 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-pytest.importorskip("agents", reason='needs the OpenAI Agents SDK: pip install "pytest-forkd[openai-agents]"')
+from pytest_forkd.errors import ConfigError
 
-from agents.sandbox.session.sandbox_client import BaseSandboxClientOptions  # noqa: E402
+if TYPE_CHECKING:  # bound by sdk_imported below
+    from agents.sandbox.session.sandbox_client import BaseSandboxClientOptions
 
-from pytest_forkd.errors import ConfigError  # noqa: E402
-from pytest_forkd.integrations.openai_agents import ForkdSandboxClient, ForkdSandboxClientOptions  # noqa: E402
+    from pytest_forkd.integrations.openai_agents import ForkdSandboxClient, ForkdSandboxClientOptions
+
+
+@pytest.fixture(autouse=True, scope="module")
+def sdk_imported() -> None:
+    """The SDK and forkd's client for it, imported when this module's first test runs, not at collection.
+
+    Importing the SDK takes a second: a run that selects none of these tests
+    (``-k``, another file) does not pay it. The names become the module's, as
+    imports at its top would make them.
+    """
+    global BaseSandboxClientOptions, ForkdSandboxClient, ForkdSandboxClientOptions
+    pytest.importorskip("agents", reason='needs the OpenAI Agents SDK: pip install "pytest-forkd[openai-agents]"')
+    from agents.sandbox.session.sandbox_client import BaseSandboxClientOptions
+
+    from pytest_forkd.integrations.openai_agents import ForkdSandboxClient, ForkdSandboxClientOptions
 
 
 def test_options_round_trip_through_the_sdk_registry(tmp_path: Path) -> None:

@@ -6,12 +6,21 @@ run's private shm directory and that no run directory is left in it.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("agents", reason='needs the OpenAI Agents SDK: pip install "pytest-forkd[openai-agents]"')
+# Every test runs pytest in a subprocess (pytester), so the fast layer never imports this module; nor
+# does a run here import the SDK (a second): the inner runs do.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("agents") is None,
+        reason='needs the OpenAI Agents SDK: pip install "pytest-forkd[openai-agents]"',
+    ),
+]
 
 #: The scripted model of the integration tests, copied next to the inner suite.
 SCRIPTED_MODEL = Path(__file__).parents[1] / "integrations" / "agents_sdk_model.py"

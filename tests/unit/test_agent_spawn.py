@@ -171,15 +171,25 @@ def test_an_attach_sent_as_soon_as_the_pid_is_known_is_not_overtaken_by_the_spaw
     from pytest_forkd.guest.agent import server
 
     send_frame = server.Agent._send_frame
+    start_attachment = server.Agent._start_attachment
     delayed: list[int] = []
+    other_attach_arrived = threading.Event()
 
     def late_after_the_first_pid_frame(agent: Any, fields: dict[str, Any], payload: Any) -> None:
         send_frame(agent, fields, payload)
         if "pid" in fields and not delayed:  # the spawn's thread is slow to go on after naming the process
             delayed.append(fields["id"])
-            time.sleep(0.5)
+            # Until the other attach is in the agent, and a moment more: one not held back would be done.
+            assert other_attach_arrived.wait(timeout=10), "the host never attached"
+            time.sleep(0.1)
+
+    def arriving(agent: Any, spawned: Any, fields: dict[str, Any]) -> None:
+        if delayed and fields["id"] != delayed[0]:
+            other_attach_arrived.set()
+        start_attachment(agent, spawned, fields)
 
     monkeypatch.setattr(server.Agent, "_send_frame", late_after_the_first_pid_frame)
+    monkeypatch.setattr(server.Agent, "_start_attachment", arriving)
     proc = vm.spawn(["cat"])
     second = GuestProcess(vm, ["cat"], pty=False, max_output=1 << 20)  # type: ignore[arg-type]
     second._attach(proc.pid)

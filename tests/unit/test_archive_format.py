@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import random
 import tarfile
 from pathlib import Path
 
@@ -30,9 +31,8 @@ PAGE = 4096
 MEMORY = 4 << 20
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "cache"
+def use_cache(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A forkd cache at ``directory`` holding the image ``KEY`` (the same bytes in every cache), in use."""
     monkeypatch.setenv("FORKD_CACHE_DIR", str(directory))
     monkeypatch.delenv("FORKD_STORE", raising=False)
     monkeypatch.setattr(archive, "find_qemu", lambda: QEMU)
@@ -40,8 +40,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     image.mkdir(parents=True)
     (image / "manifest.json").write_text(json.dumps({"key": KEY, "kernel_args": ["x=1"], "env": {}}))
     for name, size in (("vmlinuz", 300_000), ("initrd.cpio", 200_000), ("vmlinuz.stub", 65536), ("initrd.stub", 4096)):
-        (image / name).write_bytes(os.urandom(size))
+        (image / name).write_bytes(random.Random(name).randbytes(size))  # incompressible, one image's bytes
     return directory
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    return use_cache(tmp_path / "cache", monkeypatch)
 
 
 def make_snapshot(store: SnapshotStore, tag: str = "snap") -> Snapshot:
@@ -76,12 +81,22 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture
-def exported(cache: Path, tmp_path: Path) -> tuple[Snapshot, Path]:
-    snapshot = make_snapshot(SnapshotStore(tmp_path / "origin"))
-    path = tmp_path / "snap.forkd.tar.zst"
-    archive.export_snapshot(snapshot, path)
+@pytest.fixture(scope="module")
+def one_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Snapshot, Path]:
+    """A snapshot and its archive, made once: the tests given them only read them."""
+    root = tmp_path_factory.mktemp("export")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_cache(root / "cache", monkeypatch)
+        snapshot = make_snapshot(SnapshotStore(root / "origin"))
+        path = root / "snap.forkd.tar.zst"
+        archive.export_snapshot(snapshot, path)
     return snapshot, path
+
+
+@pytest.fixture
+def exported(one_export: tuple[Snapshot, Path], cache: Path) -> tuple[Snapshot, Path]:
+    """The shared archive, imported into this test's own cache (which has the archive's image)."""
+    return one_export
 
 
 def rewrite(source: Path, target: Path, change_manifest=None, drop: str | None = None) -> None:

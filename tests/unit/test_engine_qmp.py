@@ -280,18 +280,20 @@ def client_sockets(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
 
 
 @pytest.mark.parametrize(
-    "behaviour, message",
+    "behaviour, timeout, message",
     [
-        (lambda connection: connection.close(), "closed the connection"),
-        (lambda connection: connection.sendall(b"{not json\n"), "malformed message"),
-        (lambda connection: connection.sendall(b"\xff\xfe\n"), "malformed message"),
-        (lambda connection: None, "sent no greeting within 0.2 s"),
+        (lambda connection: connection.close(), 2, "closed the connection"),
+        (lambda connection: connection.sendall(b"{not json\n"), 2, "malformed message"),
+        (lambda connection: connection.sendall(b"\xff\xfe\n"), 2, "malformed message"),
+        (lambda connection: None, 0.05, "sent no greeting within 0.05 s"),  # waits the whole timeout
     ],
 )
-def test_a_broken_greeting_is_a_connection_error_and_closes_the_socket(raw, client_sockets, behaviour, message) -> None:
+def test_a_broken_greeting_is_a_connection_error_and_closes_the_socket(
+    raw, client_sockets, behaviour, timeout, message
+) -> None:
     server = raw(behaviour)
     with pytest.raises(QMPConnectionError, match=message) as info:
-        QMPClient(str(server.path), greeting_timeout=0.2)
+        QMPClient(str(server.path), greeting_timeout=timeout)
     assert isinstance(info.value, ForkdError)
     assert len(client_sockets) == 1 and client_sockets[0].fileno() == -1
 

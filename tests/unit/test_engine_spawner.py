@@ -111,7 +111,7 @@ def test_a_start_that_hangs_is_given_up_on_in_bounded_time_and_the_next_start_wo
 
     monkeypatch.setattr(spawner, "_die_with_parent", slow_start)
     try:
-        spawn([sys.executable, "-c", "import time; time.sleep(600)", marker], timeout=0.2)
+        spawn([sys.executable, "-c", "import time; time.sleep(600)", marker], timeout=0.05)
     except spawner.SpawnTimeout as exc:  # raised only by the bounded wait: the child was still asleep
         assert "did not complete within" in str(exc) and "hung" in str(exc)
     else:

@@ -44,7 +44,7 @@ def test_children_not_awaited_keep_the_state_and_answer(factory: VMFactory) -> N
 def test_a_child_whose_agent_never_answers_fails_its_waiting_call(factory: VMFactory) -> None:
     vm = factory.boot(memory_mib=64)
     vm.machine.stop()  # its agent is frozen: it will not answer
-    _await_agent(vm, vm.agent, 0.5)  # what a child started without waiting for its agent runs
+    _await_agent(vm, vm.agent, 0.1)  # what a child started without waiting for its agent runs
     with pytest.raises(VMStartError, match="did not answer within"):
         vm.exec("true")  # sent before the wait ran out: it fails with the start's error, not a hang
     assert poll_until(lambda: vm.closed, timeout=10, what="the VM to be closed", interval=0.05)

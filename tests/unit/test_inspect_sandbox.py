@@ -17,26 +17,50 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-pytest.importorskip("inspect_ai", reason="needs inspect-ai: pip install 'pytest-forkd[inspect]'")
+from pytest_forkd.errors import AgentError, ConfigError, InvalidArgument
+from pytest_forkd.guest.client import GuestOSError
+from pytest_forkd.guest.exec_result import ExecResult
+from pytest_forkd.integrations.sessions import SESSIONS, SharedSessions
 
-from inspect_ai import Task  # noqa: E402
-from inspect_ai import eval as inspect_eval  # noqa: E402
-from inspect_ai._util.error import PrerequisiteError  # noqa: E402
-from inspect_ai.dataset import Sample  # noqa: E402
-from inspect_ai.util import OutputLimitExceededError, SandboxUserUnsupportedError  # noqa: E402
-from inspect_ai.util._sandbox.limits import override_max_exec_output_size  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
+if TYPE_CHECKING:  # bound by inspect_imported below
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai._util.error import PrerequisiteError
+    from inspect_ai.dataset import Sample
+    from inspect_ai.util import OutputLimitExceededError, SandboxUserUnsupportedError
+    from inspect_ai.util._sandbox.limits import override_max_exec_output_size
+    from pydantic import BaseModel
 
-from pytest_forkd.errors import AgentError, ConfigError, InvalidArgument  # noqa: E402
-from pytest_forkd.guest.client import GuestOSError  # noqa: E402
-from pytest_forkd.guest.exec_result import ExecResult  # noqa: E402
-from pytest_forkd.integrations import inspect_support as support  # noqa: E402
-from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment  # noqa: E402
-from pytest_forkd.integrations.sessions import SESSIONS, SharedSessions  # noqa: E402
+    from pytest_forkd.integrations import inspect_support as support
+    from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment
+
+
+@pytest.fixture(autouse=True, scope="module")
+def inspect_imported() -> None:
+    """Inspect and forkd's sandbox for it, imported when this module's first test runs, not at collection.
+
+    Importing Inspect takes a second: a run that selects none of these tests
+    (``-k``, another file) does not pay it. The names become the module's, as
+    imports at its top would make them.
+    """
+    global Task, inspect_eval, PrerequisiteError, Sample, OutputLimitExceededError, SandboxUserUnsupportedError
+    global override_max_exec_output_size, BaseModel, support, ForkdSandboxEnvironment
+    pytest.importorskip("inspect_ai", reason="needs inspect-ai: pip install 'pytest-forkd[inspect]'")
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai._util.error import PrerequisiteError
+    from inspect_ai.dataset import Sample
+    from inspect_ai.util import OutputLimitExceededError, SandboxUserUnsupportedError
+    from inspect_ai.util._sandbox.limits import override_max_exec_output_size
+    from pydantic import BaseModel
+
+    from pytest_forkd.integrations import inspect_support as support
+    from pytest_forkd.integrations.inspect_sandbox import ForkdSandboxEnvironment
+
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -597,6 +597,7 @@ def describe_tree(root: Path) -> tuple[dict[str, tuple[object, ...]], set[frozen
     return entries, {frozenset(group) for group in inodes.values() if len(group) > 1}
 
 
+@pytest.mark.oci_tools  # runs umoci, a real container tool (and loop-mounts the disk)
 def test_the_disk_matches_umocis_unpacking_of_the_same_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """umoci is a reference unpacker of OCI images: its rootfs and the disk's must be the same tree."""
     if os.geteuid() != 0:
