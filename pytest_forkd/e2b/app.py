@@ -222,21 +222,12 @@ class E2BApp:
 
     def _signed_sandbox(self, scope: Scope, query: dict[str, str]) -> str | None:
         """The sandbox a signed file URL belongs to (a URL used without the SDK carries no header)."""
-        signature = query.get("signature")
-        if scope["path"] != "/files" or not signature:
+        if not _is_signed_file_url(scope, query):
             return None
-        operation = "read" if scope["method"] == "GET" else "write"
         for sandbox in list(self.registry.sandboxes.values()):
-            if signature_valid(
-                signature,
-                query.get("path", ""),
-                operation,
-                query.get("username"),
-                sandbox.envd_token,
-                query.get("signature_expiration"),
-            ):
+            if _signed_for(sandbox, scope, query):
                 return sandbox.id
-        raise ApiError(401, "the file URL's signature is not valid (or it expired)")
+        raise ApiError(401, BAD_SIGNATURE)
 
     def _authorize(
         self, sandbox: Sandbox, scope: Scope, headers: dict[str, str], query: dict[str, str], port: int
@@ -253,19 +244,10 @@ class E2BApp:
             if same(token, sandbox.envd_token):
                 return
             raise ApiError(401, f"wrong access token for sandbox {sandbox.id}")
-        signature = query.get("signature")
-        if scope["path"] == "/files" and signature:
-            operation = "read" if scope["method"] == "GET" else "write"
-            if signature_valid(
-                signature,
-                query.get("path", ""),
-                operation,
-                query.get("username"),
-                sandbox.envd_token,
-                query.get("signature_expiration"),
-            ):
+        if _is_signed_file_url(scope, query):
+            if _signed_for(sandbox, scope, query):
                 return
-            raise ApiError(401, "the file URL's signature is not valid (or it expired)")
+            raise ApiError(401, BAD_SIGNATURE)
         raise ApiError(401, f"missing access token for sandbox {sandbox.id} (X-Access-Token)")
 
 
@@ -310,3 +292,23 @@ async def _lifespan(receive: Receive, send: Send) -> None:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+BAD_SIGNATURE = "the file URL's signature is not valid (or it expired)"
+
+
+def _is_signed_file_url(scope: Scope, query: dict[str, str]) -> bool:
+    """Whether the request is to ``/files`` with a signature (an upload or download URL the SDK made)."""
+    return scope["path"] == "/files" and bool(query.get("signature"))
+
+
+def _signed_for(sandbox: Sandbox, scope: Scope, query: dict[str, str]) -> bool:
+    """Whether a signed file URL's signature is the one ``sandbox``'s token gives its path, user and operation."""
+    return signature_valid(
+        query["signature"],
+        query.get("path", ""),
+        "read" if scope["method"] == "GET" else "write",
+        query.get("username"),
+        sandbox.envd_token,
+        query.get("signature_expiration"),
+    )

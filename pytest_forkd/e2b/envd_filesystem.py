@@ -116,19 +116,7 @@ class FilesystemService(filesystem_connect.Filesystem):
     async def create_watcher(
         self, request: filesystem_pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]
     ) -> filesystem_pb.CreateWatcherResponse:
-        scope = current()
-        _count_watcher(scope)
-        try:
-            result = await helper_call(
-                scope,
-                "watch_create",
-                path=request.path,
-                recursive=request.recursive,
-                include_entry=request.include_entry,
-            )
-        except BaseException:
-            scope.sandbox.watchers -= 1
-            raise
+        result = await _start_watcher(current(), "watch_create", request)
         return filesystem_pb.CreateWatcherResponse(watcher_id=str(result["watcher"]))
 
     async def get_watcher_events(
@@ -149,21 +137,10 @@ class FilesystemService(filesystem_connect.Filesystem):
         self, request: filesystem_pb.WatchDirRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[filesystem_pb.WatchDirResponse]:
         scope = current()
-        _count_watcher(scope)
         files = scope.sandbox.files
         assert files is not None
         queue: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue(WATCH_BACKLOG)
-        try:
-            result = await helper_call(
-                scope,
-                "watch_stream",
-                path=request.path,
-                recursive=request.recursive,
-                include_entry=request.include_entry,
-            )
-        except BaseException:
-            scope.sandbox.watchers -= 1
-            raise
+        result = await _start_watcher(scope, "watch_stream", request)
         watcher = int(result["watcher"])
         files.listen(watcher, functools.partial(_offer, queue))
         gone = asyncio.ensure_future(scope.disconnected.wait())
@@ -208,11 +185,23 @@ def _oneof(field: str, value: Any) -> Any:
     return Oneof(field, value)
 
 
-def _count_watcher(scope: CallScope) -> None:
+async def _start_watcher(
+    scope: CallScope,
+    method: str,
+    request: filesystem_pb.CreateWatcherRequest | filesystem_pb.WatchDirRequest,
+) -> dict[str, Any]:
+    """Start a watcher in the guest, counted against the sandbox's limit (the count is given back if it fails)."""
     limit = scope.registry.config.limits.max_watchers
     if scope.sandbox.watchers >= limit:
         raise ConnectError(Code.RESOURCE_EXHAUSTED, f"at most {limit} directory watchers per sandbox")
     scope.sandbox.watchers += 1
+    try:
+        return await helper_call(
+            scope, method, path=request.path, recursive=request.recursive, include_entry=request.include_entry
+        )
+    except BaseException:
+        scope.sandbox.watchers -= 1
+        raise
 
 
 def _watcher_id(text: str) -> int:

@@ -71,7 +71,7 @@ def location_of(name: str) -> str | None:
     """Where the guest takes the top-level module ``name`` from: its package folder or file (None: nowhere)."""
     module = sys.modules.get(name)
     if module is not None:
-        return _module_location(module)
+        return module_location(module)
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
@@ -85,7 +85,12 @@ def location_of(name: str) -> str | None:
     return str(spec.origin) if spec.origin else None
 
 
-def _module_location(module: ModuleType) -> str | None:
+def module_location(module: ModuleType) -> str | None:
+    """A top-level module's package folder or file (a namespace package's first folder), or None.
+
+    The host asks it of the modules its suite imported (isolate/imports.py),
+    the guest of the same modules after collection, so both name places alike.
+    """
     file = getattr(module, "__file__", None)
     path = getattr(module, "__path__", None)
     if isinstance(file, str) and file:

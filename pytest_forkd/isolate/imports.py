@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from pytest_forkd.guest.isolate_imports import module_location
 from pytest_forkd.guest.tarstream import Excludes
 
 
@@ -68,17 +69,6 @@ class CopiedTree:
             parts = relative.split("/")
             return not any(excludes.excluded("/".join(parts[: depth + 1])) for depth in range(len(parts)))
         return False
-
-
-def module_location(module: ModuleType) -> str | None:
-    """A top-level module's package folder or file (a namespace package's first folder), or None."""
-    file = getattr(module, "__file__", None)
-    path = getattr(module, "__path__", None)
-    if isinstance(file, str) and file:
-        return os.path.dirname(file) if path is not None else file
-    if path is not None:
-        return next((str(entry) for entry in path), None)
-    return None
 
 
 def editable_mappings(meta_path: Iterable[Any], modules: Mapping[str, ModuleType]) -> dict[str, str]:
