@@ -23,7 +23,7 @@ test: setup
 	@scripts/setup.sh --test-tools
 	$(VENV)/bin/pytest $(TESTS) -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# The fast layer, for the edit-test loop: no QEMU, no container tooling, one process, under 30 s
+# The fast layer, for the edit-test loop: no QEMU, no container tooling, under 30 s (over the cores; -n 0: one process)
 # (docs/contributing.md). Needs only the virtualenv.
 test-fast:
 	@test -x $(VENV)/bin/pytest || scripts/setup.sh

@@ -38,12 +38,33 @@ import functools
 import gc
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+
+
+def _restore_default_signal_dispositions() -> None:
+    """Give back the signals a runner's shell set to be ignored: SIGINT and SIGQUIT (a background job), SIGHUP (nohup).
+
+    An ignored disposition is inherited across fork and exec, so every
+    process the tests start to interrupt (an inner pytest, a guest agent, the
+    E2B server) would ignore the signal too, and the tests of Ctrl-C would
+    fail only because of how the suite was started.
+    """
+    for signum, default in (
+        (signal.SIGINT, signal.default_int_handler),
+        (signal.SIGQUIT, signal.SIG_DFL),
+        (signal.SIGHUP, signal.SIG_DFL),
+    ):
+        if signal.getsignal(signum) == signal.SIG_IGN:
+            signal.signal(signum, default)
+
+
+_restore_default_signal_dispositions()
 
 
 @functools.lru_cache(maxsize=1)
