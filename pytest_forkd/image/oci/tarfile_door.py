@@ -93,9 +93,19 @@ class TarStream(tarfile.TarFile):
 
 
 def _sparse_name(entry: tarfile.TarInfo, headers: object) -> str:
-    """The name a PAX sparse entry goes by: its ``GNU.sparse.name``, else its ``path``, else its header's."""
+    """The name a PAX sparse entry goes by: its ``GNU.sparse.name``, else its ``path``, else its header's.
+
+    tarfile hands the version 0.0 hook the parsed records (a dict) or, in
+    releases with the 2024 fix of PAX parsing backported (Debian's 3.11.2),
+    the raw ones: a list of ``(length, keyword, value)`` in bytes. Both are read.
+    """
     if isinstance(headers, dict):
         return str(headers.get(SPARSE_PREFIX + "name") or headers.get("path") or entry.name)
+    if isinstance(headers, list):
+        raw = {record[1]: record[2] for record in headers if isinstance(record, tuple) and len(record) == 3}
+        value = raw.get(b"GNU.sparse.name") or raw.get(b"path")
+        if isinstance(value, bytes):
+            return value.decode("utf-8", "surrogateescape")
     return entry.name
 
 
