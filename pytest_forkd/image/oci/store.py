@@ -55,7 +55,7 @@ from typing import Any, Final, Literal, get_args
 from filelock import FileLock, Timeout
 
 from ... import paths, private, processes
-from ...errors import DigestMismatch, ImageError, ImageStoreFull, InvalidArgument, NoMatchingPlatform
+from ...errors import DigestMismatch, ImageError, ImageStoreFull, InvalidArgument, NoMatchingPlatform, WaitTimeout
 from ...filesystems import Remedy, is_read_only, unwritable_text
 from ...waiting import poll_until
 
@@ -200,6 +200,12 @@ def disk_full_as_error(folder: Path, what: str) -> Iterator[None]:
         raise error from None
 
 
+#: How a lock holder that has not written its name yet is named.
+UNKNOWN_HOLDER: Final = "another process"
+#: How long a waiter gives a holder that has just taken the lock to write who it is (seconds).
+OWNER_GRACE_SECONDS: Final = 1.0
+
+
 class StoreLock:
     """The lock every writer of the layout or the index holds, taken with a deadline and a line for who waits.
 
@@ -262,19 +268,41 @@ class StoreLock:
             text = self.owner.read_text()
             shown = self.owner.stat().st_mtime
         except OSError:
-            return "another process", 0.0
+            return UNKNOWN_HOLDER, 0.0
         pid, _, rest = text.partition(" ")
         started, _, doing = rest.partition(" ")
         if not pid.isdigit() or not processes.is_alive(int(pid)):
-            return "another process", 0.0
+            return UNKNOWN_HOLDER, 0.0
         try:
             since = f", for {time.time() - float(started):.0f} s"
         except ValueError:
             since = ""
         return f"PID {pid} ({doing.strip() or 'writing the image store'}{since})", shown
 
+    def _named_holder(self) -> str | None:
+        """Who holds the lock, giving a holder that took it a moment ago that moment to write its name.
+
+        None when the lock was free meanwhile (and is now ours).
+        """
+        found: dict[str, str | None] = {}
+
+        def named() -> bool:
+            if self._try():
+                found["holder"] = None
+                return True
+            found["holder"] = self._holder()[0]
+            return found["holder"] != UNKNOWN_HOLDER
+
+        try:
+            poll_until(named, timeout=OWNER_GRACE_SECONDS, what="the lock holder's name")
+        except WaitTimeout:
+            pass  # a holder that never says who it is: named as unknown
+        return found["holder"]
+
     def _wait(self) -> None:
-        holder, _shown = self._holder()
+        holder = self._named_holder()
+        if holder is None:
+            return
         self.progress(f"waiting for the image store lock held by {holder}")
         state = {"reported": time.monotonic()}
 
