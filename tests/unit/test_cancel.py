@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,21 @@ except KeyboardInterrupt as exc:
 """
 
 
+#: The programs this module's tests started, killed after each test (see ``kill_what_was_started``).
+_started: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def kill_what_was_started() -> Iterator[None]:
+    """A test that fails before its program exits leaves no program behind (some sleep 600 s in their cleanup)."""
+    yield
+    while _started:
+        process = _started.pop()
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
 def start(
     tmp_path: Path, *, grace: float = 30.0, before: str = "", after: str = "sys.exit(7)"
 ) -> subprocess.Popen[str]:
@@ -45,6 +61,7 @@ def start(
         stderr=subprocess.PIPE,
         text=True,
     )
+    _started.append(process)
     assert process.stdout is not None and process.stdout.readline().strip() == "ready"
     return process
 
