@@ -9,6 +9,7 @@ shows up as a slow machine later is much harder to trace back.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -26,8 +27,22 @@ def _leaked_vms() -> list[str]:
     return [line for run in own_runs for line in processes_mentioning(run) if "qemu-system" in line]
 
 
+#: Podman's lock files present when the run started (tests/support.py's ``podman_locks``).
+PODMAN_LOCKS_BEFORE = pytest.StashKey[set[Path]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from support import podman_locks
+
+    config.stash[PODMAN_LOCKS_BEFORE] = {lock for lock in podman_locks() if lock.exists()}
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from support import remove_podman_locks_made_since
+
+    if not hasattr(session.config, "workerinput"):  # the builds of every worker have ended
+        remove_podman_locks_made_since(session.config.stash.get(PODMAN_LOCKS_BEFORE, set()))
     leaked = _leaked_vms()
     if leaked:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -84,3 +84,39 @@ def assert_nothing_left(shm_dir: Path) -> None:
             assert processes_mentioning(str(shm_dir)) == []
     left = sorted(str(path.relative_to(shm_dir)) for path in shm_dir.rglob("*"))
     assert left == [], f"left in {shm_dir}: {left[:20]}"
+
+
+#: The programs that use podman's shared-memory locks while they run.
+PODMAN_PROGRAMS = frozenset({"podman", "buildah", "conmon", "catatonit"})
+
+
+def podman_locks(shm: Path = Path("/dev/shm")) -> list[Path]:
+    """The shared-memory lock files podman makes on its first start: root's, or this user's."""
+    return [shm / ("libpod_lock" if os.getuid() == 0 else f"libpod_rootless_lock_{os.getuid()}")]
+
+
+def podman_running() -> bool:
+    """Whether a podman, buildah or their container monitor runs now (any user's: they share no lock, but cheap)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() in PODMAN_PROGRAMS:
+                return True
+        except OSError:  # exited meanwhile
+            continue
+    return False
+
+
+def remove_podman_locks_made_since(
+    before: set[Path], shm: Path = Path("/dev/shm"), running: Callable[[], bool] = podman_running
+) -> list[Path]:
+    """Remove podman's lock files that the run's builds made (absent at its start), once no podman runs.
+
+    Podman makes them again on its next start, as after a reboot, so the
+    machine is left as the run found it.
+    """
+    made = [lock for lock in podman_locks(shm) if lock.exists() and lock not in before]
+    if not made or running():
+        return []
+    for lock in made:
+        lock.unlink(missing_ok=True)
+    return made

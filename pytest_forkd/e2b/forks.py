@@ -106,31 +106,23 @@ async def _restore(
         try:
             work = asyncio.get_running_loop().run_in_executor(executor, restore)
         except RuntimeError:  # the executor was shut down: the server stops
-            error = ApiError(503, f"{what}: the server is stopping")
-            fail(child, error)
-            starting.set_exception(error)
+            _give_up(child, starting, fail, ApiError(503, f"{what}: the server is stopping"))
             return
         try:
             vm = (await asyncio.shield(work))[0]
         except asyncio.CancelledError:  # the server stops: the VM, when it comes, is closed
             work.add_done_callback(_close_result)
-            error = ApiError(503, f"{what}: the server is stopping")
-            fail(child, error)
-            starting.set_exception(error)
+            _give_up(child, starting, fail, ApiError(503, f"{what}: the server is stopping"))
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is the child's start error
-            error = as_api_error(exc, what, child.id)
             log.warning("%s failed: %s", what, exc)
-            fail(child, error)
-            starting.set_exception(error)
+            _give_up(child, starting, fail, as_api_error(exc, what, child.id))
             return
         try:
             adopt(child, vm)
         except BaseException as exc:
             await asyncio.to_thread(vm.close)
-            error = as_api_error(exc, what, child.id)
-            fail(child, error)
-            starting.set_exception(error)
+            _give_up(child, starting, fail, as_api_error(exc, what, child.id))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -138,6 +130,14 @@ async def _restore(
         starting.set_result(None)
     finally:
         child.lock.release()
+
+
+def _give_up(
+    child: Sandbox, starting: asyncio.Future[None], fail: Callable[[Sandbox, ApiError], None], error: ApiError
+) -> None:
+    """The child is removed, and its calls, waiting and later, get ``error``."""
+    fail(child, error)
+    starting.set_exception(error)
 
 
 async def started(sandbox: Sandbox) -> None:
