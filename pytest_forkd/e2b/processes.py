@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import queue
 import signal as signal_module
 import threading
 import time
@@ -126,9 +128,7 @@ class ProcessHub:
         if not self.config.pty:
             streams.append(("stderr", self.process.stderr))
         for kind, stream in streams:
-            threading.Thread(
-                target=self._pump, args=(kind, stream), name=f"e2b-process-{self.pid}-{kind}", daemon=True
-            ).start()
+            READERS.submit(functools.partial(self._pump, kind, stream))
         if self.config.deadline is not None:
             delay = max(0.0, self.config.deadline - time.time())
             self._deadline_timer = self._loop.call_later(delay, self._expire)
@@ -228,6 +228,57 @@ class ProcessHub:
 
     def _expire(self) -> None:
         asyncio.ensure_future(self.kill(signal_module.SIGKILL))
+
+
+class ReaderThreads:
+    """Daemon threads that read processes' output, each kept for the next process once its stream ended.
+
+    A stream needs a thread of its own while it lasts (a read blocks until the
+    guest sends more). Starting one per stream cost the event loop about a
+    millisecond per command (``Thread.start`` waits until the new thread runs,
+    and under load it waits for the GIL), so an idle thread takes the next
+    stream, and a new one starts only when none is idle. They are daemon
+    threads, unlike ``ThreadPoolExecutor``'s, which the interpreter joins at
+    exit: a stream of a process that outlives the server must not hold the
+    exit. A thread idle for :attr:`idle_seconds` ends.
+    """
+
+    idle_seconds = 30.0
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        """Waiting threads no job is meant for yet: every waiting thread is one of these or takes a queued job."""
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        self._jobs.put(job)
+        if start:
+            threading.Thread(target=self._work, name="e2b-process-output", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.idle_seconds)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # nobody counts on this thread: end it
+                        self._idle -= 1
+                        return
+                continue  # a job was queued for a waiting thread just now: this one takes it
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._idle += 1
+
+
+#: The threads every :class:`ProcessHub` reads its process's output in.
+READERS = ReaderThreads()
 
 
 class ProcessTable:

@@ -180,6 +180,8 @@ class E2BServer:
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=5,
+                # h11 even where httptools is installed: its size bound below holds for every request.
+                http="h11",
                 h11_max_incomplete_event_size=64 * 1024,
                 ws="none",
             )

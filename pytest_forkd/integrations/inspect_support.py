@@ -64,8 +64,6 @@ METADATA_PREFIX = "SAMPLE_METADATA_"
 ROOT_USERS = frozenset({"root", "0"})
 #: Prefix of what the guest agent writes when it cannot start a command (not the command's own output).
 AGENT_EXEC_PREFIX = "forkd-exec: exec: "
-#: Prefix of what the agent's user switch writes when it cannot start a command as another user.
-USER_SWITCH_PREFIX = "nsenter: can't execute "
 #: The fields of :class:`ForkdSandboxConfig` a user writes (``session`` is set by the pytest plugin).
 CONFIG_FIELDS = ("config", "snapshot")
 #: How every line of a sandbox's error starts.
@@ -290,14 +288,13 @@ def argv_script(argv: list[str]) -> str:
 def launch_error(argv: list[str], result: GuestResult) -> PermissionError | None:
     """PermissionError when the guest agent could not start ``argv[0]`` because it is not executable.
 
-    As root the agent says so itself; as another user, the user switch
-    (busybox's ``nsenter``) that was to become the command does.
+    The agent says so itself, in one line, whoever the command runs as.
     """
     stderr = result.stderr.strip()
     if (
         result.exit_code == 126
         and not result.stdout_bytes
-        and (stderr.startswith(AGENT_EXEC_PREFIX) or stderr.startswith(f"{USER_SWITCH_PREFIX}'{argv[0]}'"))
+        and stderr.startswith(f"{AGENT_EXEC_PREFIX}{argv[0]}: ")
         and "\n" not in stderr
         and stderr.endswith("Permission denied")
     ):

@@ -5,6 +5,7 @@ The agent outlives each of them and the VM keeps working.
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import time
@@ -89,6 +90,30 @@ def test_commands_run_in_their_own_cgroup_as_preferred_oom_victims(vm: VM) -> No
     assert int(score) > 0
     assert 0 < int(memory_max) < 256 << 20
     assert agent.stdout.strip() == "-1000"
+
+
+@pytest.mark.parametrize("user", [None, "65534:65534"])
+def test_a_program_started_without_a_shell_runs_as_its_user_in_its_cgroup(vm: VM, user: str | None) -> None:
+    # The agent starts it itself (no shell or user switch in front) and moves it into its cgroup.
+    script = (
+        "import subprocess\n"
+        "status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())\n"
+        "print(*[status[name].split() for name in ('Uid', 'Gid', 'Groups', 'CapEff')], sep='|', flush=True)\n"
+        "print(open('/proc/self/cgroup').read().strip(), open('/proc/self/oom_score_adj').read().strip(), flush=True)\n"
+        "subprocess.run(['cat', '/proc/self/cgroup', '/proc/self/oom_score_adj'])\n"
+    )
+    result = vm.exec(["python3", "-c", script], user=user, check=True)
+
+    ids, own, child_cgroup, child_score = result.stdout.splitlines()
+    uids, gids, groups, capabilities = (ast.literal_eval(field) for field in ids.split("|"))
+    own_cgroup, own_score = own.split()
+    assert own_cgroup.startswith("0::/forkd/cmd-") and child_cgroup == own_cgroup
+    assert own_score == child_score == "500"
+    if user is None:
+        assert uids == gids == ["0"] * 4
+    else:
+        # The user, completely: no supplementary groups and no capability left.
+        assert uids == gids == ["65534"] * 4 and groups == [] and int(capabilities[0], 16) == 0
 
 
 def test_an_exec_without_timeout_ends_when_the_vm_dies(vm: VM) -> None:

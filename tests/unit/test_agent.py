@@ -190,7 +190,7 @@ def test_missing_program_exits_127_like_a_shell(client: AgentClient) -> None:
 
     assert result.exit_code == 127
     assert "forkd-no-such-program" in result.stderr
-    assert "No such file or directory" in result.stderr
+    assert result.stderr == "forkd-exec: exec: forkd-no-such-program: not found\n"
 
 
 def test_program_that_cannot_run_exits_126(client: AgentClient, tmp_path: Path) -> None:

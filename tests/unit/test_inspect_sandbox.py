@@ -294,10 +294,10 @@ def test_a_timeout_is_a_timeout_error_with_the_partial_output() -> None:
 
 
 def test_a_non_executable_program_is_a_permission_error_but_a_missing_one_is_a_result() -> None:
-    denied = result(126, stderr=b"forkd-exec: exec: line 0: /etc/hosts: Permission denied\n")
+    denied = result(126, stderr=b"forkd-exec: exec: /etc/hosts: Permission denied\n")
     error = support.launch_error(["/etc/hosts"], denied)
     assert isinstance(error, PermissionError) and error.filename == "/etc/hosts"
-    missing = result(127, stderr=b"forkd-exec: exec: line 0: nope: not found\n")
+    missing = result(127, stderr=b"forkd-exec: exec: nope: not found\n")
     assert support.launch_error(["nope"], missing) is None
     # The command's own 126 (a script it ran) is its result, not a launch failure.
     assert support.launch_error(["sh"], result(126, stderr=b"sh: ./x: Permission denied\n")) is None

@@ -10,9 +10,11 @@ that a change of the host's load hits both alike:
   template's ``fork(1)`` plus its first ``vm.exec("true")`` (and plus a first
   ``bash -l -c true``, what envd runs);
 - ``commands.run("true")`` against ``vm.exec("true")`` on a warm sandbox and
-  VM, with ``vm.exec(BASH_TRUE)`` beside them, as root and as E2B's ``user``:
-  envd runs a command as ``bash -l -c`` as ``user``, so the last line is the
-  same work; ``vm.spawn(BASH_TRUE)`` as ``user`` without stdin, its output
+  VM, the two alone in turn (so both VMs serve as many calls); then, each in
+  turn with a ``commands.run`` (``command_beside_same_work_ms``),
+  ``vm.exec("true")`` and ``vm.exec(BASH_TRUE)`` as root and as E2B's
+  ``user``: envd runs a command as ``bash -l -c`` as ``user``, so the last is
+  the same work; ``vm.spawn(BASH_TRUE)`` as ``user`` without stdin, its output
   read to the end (a process with a pid first, its output and end after, as
   envd's ``Start`` has to be and the server runs it) is the same work done
   the same way, and what is left over it is the server's own cost;
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
 BASH_TRUE = ["/bin/bash", "-l", "-c", "true"]
 #: How envd runs it: as E2B's user, in its home, with its USER and LOGNAME (the agent sets HOME).
 AS_USER: dict[str, Any] = {"user": "user", "cwd": "/home/user", "env": {"USER": "user", "LOGNAME": "user"}}
+#: Untimed calls of each kind before a figure is sampled (a new VM translates the code its first calls run).
+WARM_UP_ROUNDS = 5
 #: Children of the fork part; the issue's target compares them with one.
 FORK_COUNT = 10
 #: The issue's targets (at most this ratio).
@@ -159,29 +163,40 @@ class _Samples:
             vm.close()
 
     def commands(self, sandbox: Any, vm: VM, rounds: int) -> None:
-        """commands.run("true") on a warm sandbox, against vm.exec("true") and vm.exec(bash -l -c true)."""
-        self.progress(f"e2b: {rounds} x commands.run('true') against vm.exec('true') and bash -l -c true")
-        sandbox.commands.run("true")
-        vm.exec("true")
-        vm.exec(BASH_TRUE)
-        vm.exec(BASH_TRUE, **AS_USER)
-        _spawn_to_the_end(vm)
-        for _ in range(rounds):
+        """commands.run("true") on a warm sandbox against vm.exec("true") (2 x rounds); then forkd doing envd's work.
+
+        The target's pair is sampled on its own, one call of each in turn, so that the sandbox's VM and the
+        other one are used alike (a VM that serves four calls for the other's one runs them faster: the
+        host's caches stay warm for it). forkd doing envd's work (a login bash, as root and as ``user``,
+        through ``exec`` and ``spawn``) is sampled after it, each call in turn with a ``commands.run``.
+        """
+        self.progress(f"e2b: {2 * rounds} x commands.run('true') against vm.exec('true'), then bash -l -c true")
+        for _ in range(WARM_UP_ROUNDS):  # both VMs are new: their first calls translate code the later ones reuse
+            sandbox.commands.run("true")
+            vm.exec("true")
+        for _ in range(2 * rounds):
             started = time.perf_counter()
             sandbox.commands.run("true")
             self.add("command_ms", started)
             started = time.perf_counter()
             vm.exec("true")
             self.add("exec_ms", started)
-            started = time.perf_counter()
-            vm.exec(BASH_TRUE)
-            self.add("bash_login_exec_ms", started)
-            started = time.perf_counter()
-            vm.exec(BASH_TRUE, **AS_USER)
-            self.add("bash_login_exec_as_user_ms", started)
-            started = time.perf_counter()
-            _spawn_to_the_end(vm)
-            self.add("bash_login_spawn_as_user_ms", started)
+        same_work: list[tuple[str, Callable[[], object]]] = [
+            ("exec_beside_same_work_ms", lambda: vm.exec("true")),
+            ("bash_login_exec_ms", lambda: vm.exec(BASH_TRUE)),
+            ("bash_login_exec_as_user_ms", lambda: vm.exec(BASH_TRUE, **AS_USER)),
+            ("bash_login_spawn_as_user_ms", lambda: _spawn_to_the_end(vm)),
+        ]
+        for _, call in same_work:
+            call()
+        for _ in range(rounds):
+            for row, call in same_work:
+                started = time.perf_counter()
+                sandbox.commands.run("true")
+                self.add("command_beside_same_work_ms", started)
+                started = time.perf_counter()
+                call()
+                self.add(row, started)
 
     def forks(self, sandbox: Any, vm: VM, repeats: int) -> None:
         """sandbox.fork(count=1) and fork(count=10), against forkd's vm.fork(1) and vm.fork(10).
@@ -258,6 +273,8 @@ class _Samples:
         def ratio(over: str, under: str) -> float:
             return round(self.p50(over) / self.p50(under), 2)
 
+        beside = "command_beside_same_work_ms"  # commands.run, sampled in turn with forkd doing the same work
+
         targets = {
             "create_first_command_over_fork_first_exec": ratio("create_first_command_ms", "fork_first_exec_ms"),
             "command_over_exec": ratio("command_ms", "exec_ms"),
@@ -267,10 +284,10 @@ class _Samples:
             "create_first_command_over_fork_first_bash_exec_as_user": ratio(
                 "create_first_command_ms", "fork_first_bash_exec_ms"
             ),
-            "command_over_bash_login_exec_as_user": ratio("command_ms", "bash_login_exec_as_user_ms"),
-            "command_over_bash_login_spawn_as_user": ratio("command_ms", "bash_login_spawn_as_user_ms"),
-            "bash_login_exec_as_user_over_exec": ratio("bash_login_exec_as_user_ms", "exec_ms"),
-            "bash_login_exec_over_exec": ratio("bash_login_exec_ms", "exec_ms"),
+            "command_over_bash_login_exec_as_user": ratio(beside, "bash_login_exec_as_user_ms"),
+            "command_over_bash_login_spawn_as_user": ratio(beside, "bash_login_spawn_as_user_ms"),
+            "bash_login_exec_as_user_over_exec": ratio("bash_login_exec_as_user_ms", "exec_beside_same_work_ms"),
+            "bash_login_exec_over_exec": ratio("bash_login_exec_ms", "exec_beside_same_work_ms"),
             "fork10_answered_over_fork1_answered": ratio("fork10_answered_ms", "fork1_answered_ms"),
             "fork10_answered_over_vm_fork10_answered": ratio("fork10_answered_ms", "vm_fork10_answered_ms"),
             "vm_fork10_over_vm_fork1": ratio("vm_fork10_ms", "vm_fork1_ms"),

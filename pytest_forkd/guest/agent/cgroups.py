@@ -8,7 +8,16 @@ import signal
 import threading
 import time
 
-from .common import _FREE_GROUPS, AGENT_MEMORY_RESERVE, CGROUP_ROOT, COMMAND_PIDS_MAX, MIN_COMMAND_MEMORY, log_to_stderr
+from .common import (
+    _FREE_GROUPS,
+    AGENT_CGROUP,
+    AGENT_CPU_WEIGHT,
+    AGENT_MEMORY_RESERVE,
+    CGROUP_ROOT,
+    COMMAND_PIDS_MAX,
+    MIN_COMMAND_MEMORY,
+    log_to_stderr,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -28,9 +37,11 @@ class CommandCgroups:
     that background processes still occupy waits for a later sweep.
     """
 
-    def __init__(self, base: str, log: Callable[[str], None]) -> None:
+    def __init__(self, base: str, log: Callable[[str], None], agent_group: str | None = None) -> None:
         self._base = base
         self._log = log
+        # The agent's own group: a command forks there until it is moved to its own (see adopt).
+        self._agent_procs = os.path.join(agent_group, "cgroup.procs") if agent_group is not None else None
         self._counter = 0
         self._lock = threading.Lock()
         self._occupied: list[_CommandGroup] = []
@@ -51,7 +62,7 @@ class CommandCgroups:
         except OSError as exc:
             log(f"cannot set up command cgroups under {root}: {exc}; commands run without limits")
             return None
-        cgroups = cls(base, log)
+        cgroups = cls(base, log, _enter_own_group(os.path.join(root, AGENT_CGROUP), log))
         # Left by an agent that died: reuse or remove them as they empty.
         cgroups._occupied = [_CommandGroup(entry.path) for entry in os.scandir(base) if entry.is_dir()]
         cgroups.prepare()
@@ -77,6 +88,33 @@ class CommandCgroups:
             return
         with self._lock:
             self._occupied.append(group)
+
+    def adopt(self, group: _CommandGroup, pid: int, oom_score: int | None) -> None:
+        """Move a command started outside its group (``pid``, a session leader) into it, with all it forked meanwhile.
+
+        Until the move the command runs in the agent's group, so a process it
+        forked before is there too; each is found by its session and moved
+        after it. The search repeats until it finds none (a process may fork
+        while the one before it is moved); what still escapes after
+        :data:`ADOPT_ROUNDS` is killed. ``oom_score``: the score each gets.
+        """
+        _move(group.procs, pid)
+        if oom_score is not None:
+            set_oom_score(pid, oom_score)
+        if self._agent_procs is None:
+            return
+        for _ in range(ADOPT_ROUNDS):
+            strays = _session_members(self._agent_procs, pid)
+            if not strays:
+                return
+            for stray in strays:
+                _move(group.procs, stray)
+                if oom_score is not None:
+                    set_oom_score(stray, oom_score)
+        for stray in _session_members(self._agent_procs, pid):
+            with contextlib.suppress(OSError):
+                os.kill(stray, signal.SIGKILL)
+        self._log(f"killed processes of command {pid} that forked faster than they could be moved into its cgroup")
 
     def prepare(self) -> None:
         """Sweep occupied groups and keep one free, off the commands' critical path."""
@@ -181,6 +219,60 @@ class _CommandGroup:
         return True
 
 
+#: How many times :meth:`CommandCgroups.adopt` looks for processes a command forked before its move.
+ADOPT_ROUNDS = 16
+
+
+def _enter_own_group(path: str, log: Callable[[str], None]) -> str | None:
+    """Move the agent into a group of its own (a leaf beside ``forkd``); its path, or None if it cannot.
+
+    The group's CPU weight puts the agent ahead of the commands whenever it
+    has work: on a guest's one CPU a command it has just started then waits
+    until the agent has moved it into its cgroup and reported it, instead of
+    running its whole start first, and no command, however busy, delays the
+    agent's answers (a ping, a cancel, a timeout).
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        _write_text(os.path.join(path, "cgroup.procs"), "0")
+    except OSError as exc:
+        log(f"cannot move the agent into {path}: {exc}; what a command forks before its cgroup takes it stays out")
+        return None
+    try:
+        _write_text(os.path.join(path, "cpu.weight"), str(AGENT_CPU_WEIGHT))
+    except OSError as exc:
+        log(f"cannot give the agent precedence over its commands ({path}/cpu.weight): {exc}")
+    return path
+
+
+def _move(procs: bytes, pid: int) -> None:
+    """Write ``pid`` into a group's ``cgroup.procs``; a process that already exited is no error."""
+    try:
+        _write_text(os.fsdecode(procs), str(pid))
+    except ProcessLookupError:
+        pass
+
+
+def _session_members(procs: str, session: int) -> list[int]:
+    """The processes listed in ``procs`` (a cgroup.procs file) whose session is ``session``, the agent excepted."""
+    agent = os.getpid()
+    with open(procs, "rb") as listing:
+        pids = [int(word) for word in listing.read().split()]
+    members = []
+    for pid in pids:
+        if pid == agent:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
+                fields = stat.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 3 and int(fields[3]) == session:
+            members.append(pid)
+    return members
+
+
 def _enable_controllers(group: str, log: Callable[[str], None]) -> None:
     available = set(_read_text(os.path.join(group, "cgroup.controllers")).split())
     for controller in ("memory", "pids", "cpu"):
@@ -214,6 +306,20 @@ def _write_text(path: str, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def set_oom_score(pid: int, score: int) -> None:
+    """Set a process's ``oom_score_adj``; a process that already exited is no error."""
+    try:
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.write(fd, str(score).encode())
+    except ProcessLookupError:
+        pass
     finally:
         os.close(fd)
 

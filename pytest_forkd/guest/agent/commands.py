@@ -17,16 +17,16 @@ from .common import (
     _PIPE_READ_SIZE,
     _PIPE_SIZE,
     _STDIN_WRITE_SIZE,
-    COMMAND_OOM_SCORE_ADJ,
     CREDIT_STALL_TIMEOUT,
     KILL_WAIT,
     OUTPUT_DRAIN_AFTER_EXIT,
     RequestError,
     _current,
 )
+from .launch import start_command
 from .streams import _OutputStream, _read_or_eio, _StreamCapture
 from .terminal import _start_on_terminal
-from .users import ROOT, Credentials, ImageRoot
+from .users import ROOT, Credentials
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -78,38 +78,8 @@ def _check_program(argv: list[str], env: Any, cwd: str | None) -> None:
     raise RequestError("CommandNotFound", f"{name}: command not found in the guest (PATH={path})")
 
 
-# Run in front of a command in the guest: join its cgroup and become a preferred OOM
-# victim, then exec it. A shell from busybox costs a few ms; doing the same in
-# Python between fork and exec (preexec_fn) rules out vfork and costs several times that.
-_ENTER_SCRIPT = 'echo 0 > "$1" || exit 125; echo "$2" > /proc/self/oom_score_adj; shift 2; exec "$@"'
-
-
-def _entered(
-    argv: list[str],
-    group: _CommandGroup | None,
-    credentials: Credentials | None = None,
-    image: ImageRoot | None = None,
-) -> list[str]:
-    """``argv`` prefixed so that it runs inside ``group`` with a raised OOM score, as ``credentials``.
-
-    A shell command (``/bin/sh -c SCRIPT``) gets the two steps in front of its
-    script, on the same line so that its line numbers stay right: that shell
-    is started anyway, so it costs no extra program. A command that runs as
-    another user than root switches after both steps (they need root), through
-    busybox's ``nsenter -S UID -G GID``. In a container image the steps run in
-    the runtime's busybox: the image may have no shell.
-    """
-    procs = os.fsdecode(group.procs) if group is not None else "/dev/null"
-    switch = credentials is not None and not credentials.is_root
-    if not switch and len(argv) == 3 and argv[:2] == ["/bin/sh", "-c"] and "'" not in procs:
-        enter = f"echo 0 > '{procs}' || exit 125; echo {COMMAND_OOM_SCORE_ADJ} > /proc/self/oom_score_adj; "
-        return ["/bin/sh", "-c", enter + argv[2]]
-    busybox = image.busybox if image is not None else "busybox"
-    shell = [busybox, "sh"] if image is not None else ["/bin/sh"]
-    if switch:
-        assert credentials is not None
-        argv = [busybox, "nsenter", "-S", str(credentials.uid), "-G", str(credentials.gid), "-F", *argv]
-    return [*shell, "-c", _ENTER_SCRIPT, "forkd-exec", procs, str(COMMAND_OOM_SCORE_ADJ), *argv]
+#: How the agent's own line starts when it cannot execute a command's program (its exit is then 126 or 127).
+LAUNCH_ERROR_PREFIX = "forkd-exec: exec: "
 
 
 class _CommandRun:
@@ -135,11 +105,10 @@ def _run_command(
     stream: _OutputStream,
     max_output: int | None,
     cgroups: CommandCgroups | None,
-    child_setup: bool,
+    oom_target: bool,
     running: dict[int, _CommandCollector],
     terminal: tuple[int, int] | None = None,
     credentials: Credentials = ROOT,
-    image: ImageRoot | None = None,
 ) -> _CommandRun:
     """Run ``argv`` in a new session (and its own cgroup), streaming its stdout and stderr.
 
@@ -153,10 +122,14 @@ def _run_command(
     stdin_file: IO[bytes] | None = None
     try:
         try:
-            wrap = child_setup or group is not None or not credentials.is_root
-            command = _entered(argv, group, credentials, image) if wrap else argv
-            if terminal is None:
-                process = subprocess.Popen(
+            masters: list[int] = []
+
+            def start(command: list[str]) -> subprocess.Popen[bytes]:
+                if terminal is not None:
+                    process, master = _start_on_terminal(command, env, cwd, terminal)
+                    masters.append(master)
+                    return process
+                return subprocess.Popen(
                     command,
                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -165,17 +138,27 @@ def _run_command(
                     env=env,
                     start_new_session=True,
                 )
-            else:
-                process, master = _start_on_terminal(command, env, cwd, terminal)
-                outputs = [os.fdopen(master, "rb", buffering=0)]
+
+            try:
+                process = start_command(
+                    argv, start, group=group, cgroups=cgroups, credentials=credentials, oom_target=oom_target
+                )
+            except BaseException:
+                for master in masters:
+                    os.close(master)
+                raise
+            if masters:
+                outputs = [os.fdopen(masters[0], "rb", buffering=0)]
                 if stdin:
-                    stdin_file = os.fdopen(os.dup(master), "wb", buffering=0)
+                    stdin_file = os.fdopen(os.dup(masters[0]), "wb", buffering=0)
         except OSError as exc:
             if exc.filename is None or exc.filename == cwd:
                 raise  # could not fork or enter cwd: not the program's fault
             # Report it like a shell does, as the command's own failure.
-            exit_code = 127 if isinstance(exc, FileNotFoundError) else 126
-            message = captures[1].take(f"{argv[0]}: {exc.strerror}\n".encode())
+            missing = isinstance(exc, FileNotFoundError)
+            reason = "not found" if missing else exc.strerror
+            message = captures[1].take(f"{LAUNCH_ERROR_PREFIX}{argv[0]}: {reason}\n".encode())
+            exit_code = 127 if missing else 126
             if message:
                 stream.send(wire.STDERR, message)
             return _CommandRun(exit_code, captures, (time.monotonic() - started) * 1000, False, False)

@@ -29,12 +29,16 @@ AGENT_TAIL_LIMIT = 4 << 20
 # The largest credit window a request may ask for.
 MAX_OUTPUT_WINDOW = 64 << 20
 CGROUP_ROOT = "/sys/fs/cgroup"
+# The agent's own cgroup below CGROUP_ROOT, beside ``forkd`` (whose groups are the commands').
+AGENT_CGROUP = "forkd-agent"
 # How long a timeout waits for the killed command's cgroup to empty.
 KILL_WAIT = 10.0
 # Processes one command may have at a time (a fork bomb stops here).
 COMMAND_PIDS_MAX = 1024
 # Commands are the out-of-memory killer's preferred victims (the agent is at -1000).
 COMMAND_OOM_SCORE_ADJ = 500
+# The CPU weight of the agent's cgroup (commands' groups have the default, 100): see cgroups.py.
+AGENT_CPU_WEIGHT = 10000
 # Memory left to the agent and the kernel when commands are capped: this or
 # 1/8 of the guest's memory, whichever is larger.
 AGENT_MEMORY_RESERVE = 24 << 20

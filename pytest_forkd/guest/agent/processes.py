@@ -13,11 +13,12 @@ import threading
 import time
 
 from .cgroups import CommandCgroups, _CommandGroup
-from .commands import _discard_until_eof, _entered
+from .commands import _discard_until_eof
 from .common import _PIPE_READ_SIZE, _PIPE_SIZE, _STDIN_WRITE_SIZE, OUTPUT_DRAIN_AFTER_EXIT, RequestError, log_to_stderr
+from .launch import start_command
 from .streams import _LiveBuffer, _read_or_eio
 from .terminal import _set_window_size, _start_on_terminal
-from .users import ROOT, Credentials, ImageRoot
+from .users import ROOT, Credentials
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -101,12 +102,11 @@ class _Spawned:
         terminal: tuple[int, int] | None,
         max_output: int,
         cgroups: CommandCgroups | None,
-        child_setup: bool,
+        oom_target: bool,
         send_frames: Callable[[Sequence[tuple[dict[str, Any], bytes | memoryview]]], None],
         finished: Callable[[_Spawned], None],
         pump: _ProcessPump,
         credentials: Credentials = ROOT,
-        image: ImageRoot | None = None,
         stdin: bool = True,
     ) -> _Spawned:
         """Start ``argv`` in a new session and its own cgroup, on pipes or on a new terminal.
@@ -114,8 +114,6 @@ class _Spawned:
         ``stdin=False``: the process reads end-of-file at once (no pipe to write to); a terminal always has input.
         """
         group = cgroups.take() if cgroups is not None else None
-        wrap = child_setup or group is not None or not credentials.is_root
-        command = _entered(argv, group, credentials, image) if wrap else argv
         child_ends: list[int] = []
         ours: list[int] = []
         try:
@@ -133,22 +131,34 @@ class _Spawned:
                 for fd in (stdout_fd, stderr_fd):
                     with contextlib.suppress(OSError):
                         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
-                process = subprocess.Popen(
-                    command,
-                    stdin=child_stdin,
-                    stdout=stdout_write,
-                    stderr=stderr_write,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                )
+
+                def start(command: list[str]) -> subprocess.Popen[bytes]:
+                    return subprocess.Popen(
+                        command,
+                        stdin=child_stdin,
+                        stdout=stdout_write,
+                        stderr=stderr_write,
+                        cwd=cwd,
+                        env=env,
+                        start_new_session=True,
+                    )
+
                 outputs = {stdout_fd: wire.STDOUT, stderr_fd: wire.STDERR}
                 terminal_fd = None
             else:
-                process, terminal_fd = _start_on_terminal(command, env, cwd, terminal)
-                ours.append(terminal_fd)
-                outputs = {terminal_fd: wire.STDOUT}
                 stdin_fd = None
+
+                def start(command: list[str]) -> subprocess.Popen[bytes]:
+                    process, master = _start_on_terminal(command, env, cwd, terminal)
+                    ours.append(master)
+                    return process
+
+            process = start_command(
+                argv, start, group=group, cgroups=cgroups, credentials=credentials, oom_target=oom_target
+            )
+            if terminal is not None:
+                terminal_fd = ours[-1]
+                outputs = {terminal_fd: wire.STDOUT}
         except BaseException:
             for fd in ours:
                 os.close(fd)

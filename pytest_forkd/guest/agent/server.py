@@ -33,7 +33,7 @@ from .files import _ArchiveSink, _InPlaceUpload, _MemorySink, _RefusedPayload, _
 from .processes import _ProcessPump, _Spawned
 from .streams import _OutputStream, _send_within_credit, _StreamCapture, _StreamStopper
 from .terminal import _terminal_size, _unignore_terminal_signals
-from .users import ROOT, Credentials, ImageRoot, acting_as, enter_image, resolve_user
+from .users import ROOT, Credentials, ImageRoot, acting_as, enter_image, prepare_user_switch, resolve_user
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -355,11 +355,10 @@ class Agent:
                 stream=stream,
                 max_output=max_output,
                 cgroups=self._cgroups,
-                child_setup=self._oom_target,
+                oom_target=self._oom_target,
                 running=self._running,
                 terminal=terminal,
                 credentials=credentials,
-                image=self._image,
             )
             self._send_tails(stream, run.captures)
         finally:
@@ -466,12 +465,11 @@ class Agent:
             terminal=terminal,
             max_output=max_output,
             cgroups=self._cgroups,
-            child_setup=self._oom_target,
+            oom_target=self._oom_target,
             send_frames=self._send_frames,
             finished=self._forget_process,
             pump=self._pump,
             credentials=credentials,
-            image=self._image,
             stdin=stdin,
         )
         self._processes[spawned.pid] = spawned
@@ -704,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             log_to_stderr(f"cannot open the agent port: {exc}")
             return 1
         protect_from_oom_killer()
+        prepare_user_switch()
         image = enter_image()
         agent = Agent(port, port, wait_on_eof=True, cgroups=CommandCgroups.setup(), oom_target=True, image=image)
     log_to_stderr(f"serving on {args[0]} (pid {os.getpid()})")

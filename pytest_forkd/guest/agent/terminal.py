@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import struct
 import subprocess
+import termios  # here, not where used: a terminal is opened while the thread is a command's user (see launch.py)
 
 from .common import RequestError
 
@@ -30,16 +32,11 @@ def _terminal_size(fields: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def _set_window_size(fd: int, size: tuple[int, int]) -> None:
-    import struct
-    import termios
-
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", size[0], size[1], 0, 0))
 
 
 def _take_terminal() -> None:
     """In the child, after setsid: make its stdin (the terminal) its controlling terminal."""
-    import termios
-
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
@@ -47,8 +44,6 @@ def _start_on_terminal(
     command: list[str], env: dict[str, str] | None, cwd: str | None, size: tuple[int, int]
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start ``command`` as a session leader on a new pseudo-terminal; return it and the terminal's master fd."""
-    import termios  # noqa: F401 - imported here so that the child does not import after fork
-
     master, slave = os.openpty()
     try:
         _set_window_size(master, size)

@@ -9,8 +9,11 @@ directory and default user, so every command starts as ``docker exec`` starts on
 Users are resolved as Docker resolves them, in the image's own ``/etc/passwd``
 and ``/etc/group``, read as text: the runtime's C library must not load the
 image's NSS modules, and an image may have no passwd file at all (a number
-then works, a name does not). Supplementary groups are not set: the switch is
-busybox's ``nsenter -S UID -G GID``, which clears them.
+then works, a name does not). Supplementary groups are cleared.
+
+A command starts as its user without a program in between: the thread that
+starts it takes the user's ids for the moment of the ``vfork`` (:func:`starting_as`),
+so the child execs the command already as that user.
 
 A file the host writes as a user (``write_file`` with ``user``) is opened by
 the agent itself, in the thread that serves the request, under that user's
@@ -59,16 +62,24 @@ ROOT = Credentials(0, 0, "/root")
 #: setfsuid, setfsgid and setgroups by machine: called raw, they change the calling thread only (the C
 #: library's wrappers of setgroups and the set*id calls change every thread of the process).
 _IDENTITY_SYSCALLS = {"x86_64": (122, 123, 116), "aarch64": (151, 152, 159)}
+#: setresuid and setresgid by machine, called raw for the same reason.
+_SETRES_SYSCALLS = {"x86_64": (117, 119), "aarch64": (147, 149)}
+_MACHINE = os.uname().machine
 _libc: Any = None
 
 
 def _syscall() -> Any:
     global _libc
     if _libc is None:
-        import ctypes  # only a write as another user needs it; imports cost in an emulated guest
+        import ctypes  # imports cost in an emulated guest: the guest's agent calls this before its snapshot
 
         _libc = ctypes.CDLL(None, use_errno=True)
     return _libc.syscall
+
+
+def prepare_user_switch() -> None:
+    """Load what switching users needs now, so that a forked child of a snapshot does not pay for it."""
+    _syscall()
 
 
 @contextlib.contextmanager
@@ -78,15 +89,15 @@ def acting_as(credentials: Credentials) -> Iterator[None]:
     The kernel checks permissions against the filesystem ids, and while the
     fsuid is not 0 the thread has none of root's filesystem capabilities, so
     the user's permissions apply exactly as to a process of that user (as
-    ``nsenter -S UID -G GID`` gives commands). Other threads keep the agent's
+    a command started as the user has). Other threads keep the agent's
     identity. PermissionError when the agent may not switch (not root).
     """
     if credentials.uid == os.geteuid() and credentials.gid == os.getegid():
         yield
         return
-    numbers = _IDENTITY_SYSCALLS.get(os.uname().machine)
+    numbers = _IDENTITY_SYSCALLS.get(_MACHINE)
     if numbers is None:
-        raise RequestError("Unsupported", f"acting as another user is not implemented on {os.uname().machine}")
+        raise RequestError("Unsupported", f"acting as another user is not implemented on {_MACHINE}")
     import ctypes
 
     setfsuid, setfsgid, setgroups = numbers
@@ -109,6 +120,57 @@ def acting_as(credentials: Credentials) -> Iterator[None]:
         syscall(ctypes.c_long(setfsgid), ctypes.c_long(os.getegid()))
         listed = (ctypes.c_uint * len(groups))(*groups)
         syscall(ctypes.c_long(setgroups), ctypes.c_long(len(groups)), listed)
+
+
+@contextlib.contextmanager
+def starting_as(credentials: Credentials) -> Iterator[None]:
+    """Inside the block this thread has ``credentials``' ids and no other groups: a process it starts is that user.
+
+    Linux keeps credentials per thread; the C library's wrappers switch every
+    thread of the process, the raw calls only the calling one, and a child
+    (``vfork`` or ``fork``) takes the credentials of the thread that made it.
+    The saved ids stay the agent's, so the thread can switch back; ``exec``
+    then makes them the user's too, and with them the child loses every
+    capability: it is that user as completely as after ``setpriv`` or busybox's
+    ``nsenter -S UID -G GID``, without starting such a program. The agent's
+    other threads keep serving as root. ROOT is a no-op; PermissionError when
+    the agent may not switch (it is not root). Nothing in the block may import:
+    the user may not be able to read the agent's files.
+    """
+    if credentials.is_root:
+        yield
+        return
+    numbers = _SETRES_SYSCALLS.get(_MACHINE)
+    if numbers is None:
+        raise RequestError("Unsupported", f"running a command as another user is not implemented on {_MACHINE}")
+    setresuid, setresgid = numbers
+    setgroups = _IDENTITY_SYSCALLS[_MACHINE][2]
+    syscall = _syscall()
+    uid, gid, groups = os.geteuid(), os.getegid(), os.getgroups()
+
+    import ctypes  # loaded by _syscall() already: no file is read here
+
+    def call(number: int, *args: Any) -> None:
+        # As C longs: the kernel truncates to 32-bit uid_t and gid_t, where -1 (keep this id) is 0xffffffff.
+        if syscall(ctypes.c_long(number), *(ctypes.c_long(arg) if type(arg) is int else arg for arg in args)) != 0:
+            code = ctypes.get_errno()
+            raise PermissionError(code, f"cannot run a command as user {credentials.uid}: {os.strerror(code)}")
+
+    if groups:  # the guest's agent has none (the kernel starts init without): two calls saved per command
+        call(setgroups, 0, None)
+    try:
+        call(setresgid, credentials.gid, credentials.gid, -1)
+        try:
+            call(setresuid, credentials.uid, credentials.uid, -1)
+            try:
+                yield
+            finally:
+                call(setresuid, uid, uid, -1)
+        finally:
+            call(setresgid, gid, gid, -1)
+    finally:
+        if groups:
+            call(setgroups, len(groups), (ctypes.c_uint * len(groups))(*groups))
 
 
 def _entries(path: str) -> list[list[str]]:
@@ -160,10 +222,9 @@ def resolve_user(spec: str) -> Credentials:
 class ImageRoot:
     """The container image a chrooted agent serves in (None outside one: see :func:`enter_image`)."""
 
-    __slots__ = ("busybox", "config", "default_user", "user_error")
+    __slots__ = ("config", "default_user", "user_error")
 
-    def __init__(self, runtime: str, config: dict[str, Any]) -> None:
-        self.busybox = os.path.join(runtime, "usr/bin/busybox")
+    def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.default_user: Credentials = ROOT
         self.user_error: RequestError | None = None
@@ -207,7 +268,7 @@ def enter_image() -> ImageRoot | None:
     except (OSError, ValueError):
         record = {}
     config = record.get("config") or {}
-    root = ImageRoot(runtime, config)
+    root = ImageRoot(config)
     user = str(config.get("user") or "")
     if user:
         try:
