@@ -36,6 +36,7 @@ The parts, each importing only those listed before it:
 * ``terminal``: pseudo-terminals and terminal signals;
 * ``cgroups``: a cgroup per command, and the agent kept out of the OOM killer's reach;
 * ``users``: the container image the agent may serve in (its config) and the users commands run as;
+* ``launch``: starting a command as its user, in its cgroup, with one program start;
 * ``commands``: running one command to its end (``exec``);
 * ``processes``: processes started by ``spawn``, which outlive their request, and the one thread that follows them;
 * ``server``: the protocol loop, request dispatch, cancel, and :func:`main`.
