@@ -8,10 +8,6 @@ from pytest_forkd.e2b.processes import ReaderThreads
 from pytest_forkd.waiting import poll_until
 
 
-def _readers_alive() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == "e2b-process-output"]
-
-
 def test_a_stream_after_another_ended_is_read_in_the_same_thread() -> None:
     readers = ReaderThreads()
     ran_in: list[threading.Thread] = []
@@ -50,13 +46,12 @@ def test_streams_that_last_each_get_a_thread_of_their_own() -> None:
 def test_an_idle_thread_ends_and_a_later_stream_still_gets_one() -> None:
     readers = ReaderThreads()
     readers.idle_seconds = 0.05
-    before = len(_readers_alive())
+    first: list[threading.Thread] = []
     done = threading.Event()
 
-    readers.submit(lambda: None)
-    poll_until(
-        lambda: readers._idle == 0 and len(_readers_alive()) == before, timeout=10, what="the idle thread to end"
-    )
+    readers.submit(lambda: first.append(threading.current_thread()))
+    poll_until(lambda: first and not first[0].is_alive(), timeout=10, what="the idle thread to end")
+    assert readers._idle == 0
     readers.submit(done.set)
 
     assert done.wait(10)
