@@ -312,16 +312,8 @@ def _write_text(path: str, text: str) -> None:
 
 def set_oom_score(pid: int, score: int) -> None:
     """Set a process's ``oom_score_adj``; a process that already exited is no error."""
-    try:
-        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        os.write(fd, str(score).encode())
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        _write_text(f"/proc/{pid}/oom_score_adj", str(score))
 
 
 def protect_from_oom_killer() -> None:
