@@ -24,6 +24,12 @@ amount of memory, and never blocks on a full pipe:
 So what a reader gets of output it did not keep up with is at most
 ``max_output`` bytes per stream, as with ``exec``.
 
+A server that follows many processes from an event loop does not read with
+blocking calls: :meth:`GuestProcess.relay` hands every chunk and the end to a
+:class:`ProcessSink` as they arrive, and the sink gives the credit back
+(:meth:`ProcessOutput.consumed`) once it has passed a chunk on, so the same
+bounds hold without a thread per stream.
+
 The process lives in the guest, so it lives in every VM started from a
 snapshot taken while it ran (``branch``, ``fork``, ``checkpoint``): the guest
 memory with the process and the agent's bookkeeping of it are copied. The
@@ -39,7 +45,7 @@ import signal as signal_module
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pytest_forkd.errors import ForkdError, InvalidArgument, ProcessError, ProcessTimeout, VMError
 from pytest_forkd.guest import wire
@@ -59,6 +65,21 @@ def output_bounds(max_output: int) -> tuple[int, int]:
     the reader counts toward the bound, and the guest keeps the rest."""
     window = max(1, min(PROCESS_WINDOW, max_output // 2))
     return window, max(max_output - window, 0)
+
+
+class ProcessSink(Protocol):
+    """Where :meth:`GuestProcess.relay` hands a process's output: called in the agent client's reader thread.
+
+    Neither method may block or call back into the process; a sink passes
+    things on (to an event loop, say) and returns.
+    """
+
+    def output(self, stream: ProcessOutput, data: bytes) -> None:
+        """``data`` arrived on ``stream``; call ``stream.consumed(len(data))`` once it was passed on."""
+
+    def finished(self, process: GuestProcess) -> None:
+        """Everything arrived: ``process.returncode`` is its exit code, or None if its stream broke
+        (``process.wait()`` then raises why: the VM died, was closed or restored)."""
 
 
 class ProcessOutput:
@@ -85,8 +106,14 @@ class ProcessOutput:
         """Bytes of this stream dropped in the guest because nobody read them in time."""
         self.total = 0
         """Bytes of this stream received so far."""
+        self._relayed_credit = 0  # bytes handed to a sink that were already credited (see consumed)
 
     # -- fed by the agent client's reader thread ---------------------------------------
+    def _count(self, data: bytes, skipped: int) -> None:
+        with self._condition:
+            self.skipped += skipped
+            self.total += len(data)
+
     def _feed(self, data: bytes, skipped: int) -> None:
         with self._condition:
             self.skipped += skipped
@@ -97,8 +124,27 @@ class ProcessOutput:
 
     def _end(self) -> None:
         with self._condition:
+            if self._ended:
+                return
             self._ended = True
             self._condition.notify_all()
+
+    def _take_backlog(self) -> bytes:
+        """What arrived and was not read yet, for a sink that takes over the stream (see GuestProcess.relay)."""
+        with self._condition:
+            data = bytes(self._partial) + b"".join(self._chunks)
+            self._relayed_credit += len(self._partial)  # moved into _partial by a read, which credited it
+            self._partial.clear()
+            self._chunks.clear()
+            return data
+
+    def consumed(self, nbytes: int) -> None:
+        """A :class:`ProcessSink` passed on ``nbytes`` of this stream: the guest may send as much more."""
+        with self._condition:
+            already = min(self._relayed_credit, nbytes)
+            self._relayed_credit -= already
+        if nbytes > already:
+            self._process._credit(self._fd, nbytes - already)
 
     # -- reading ---------------------------------------------------------------------------
     @property
@@ -220,6 +266,9 @@ class GuestProcess:
         self._exited = threading.Event()
         self._call: ProcessCall | None = None
         self._detached: str | None = None
+        self._sink: ProcessSink | None = None
+        self._relay_lock = threading.Lock()
+        self._ended = False
         self.truncated = False
         """Whether output was dropped because nobody read it in time (see ``skipped`` of each stream)."""
 
@@ -233,11 +282,39 @@ class GuestProcess:
         self._call = self._vm.agent.attach(pid, self, window=self._window)
         self.pid = self._call.wait_started(START_TIMEOUT)
 
+    def relay(self, sink: ProcessSink) -> None:
+        """Hand this process's output to ``sink`` as it arrives, and its end, instead of keeping it for reads.
+
+        For a server that follows processes from an event loop: no thread
+        waits on a read. What arrived before is handed over first, in order;
+        once relayed, ``stdout``/``stderr`` read nothing more. The output
+        stays bounded: the guest sends a stream's next chunks only as the
+        sink reports what it passed on (:meth:`ProcessOutput.consumed`).
+        """
+        with self._relay_lock:
+            if self._sink is not None:
+                raise ProcessError(f"the output of process {self.pid} is relayed already")
+            self._sink = sink
+            for stream in (self.stdout, self.stderr):
+                backlog = stream._take_backlog()
+                if backlog:
+                    sink.output(stream, backlog)
+            if self._ended:
+                sink.finished(self)
+
     # -- ProcessListener (the client's reader thread; must not block) -------------------------
     def on_output(self, fd: int, data: bytes, skipped: int) -> None:
         if skipped:
             self.truncated = True
-        (self.stdout if fd == wire.STDOUT else self.stderr)._feed(data, skipped)
+        stream = self.stdout if fd == wire.STDOUT else self.stderr
+        with self._relay_lock:
+            sink = self._sink
+            if sink is None:
+                stream._feed(data, skipped)
+                return
+            stream._count(data, skipped)
+            if data:
+                sink.output(stream, data)
 
     def on_eof(self, fd: int) -> None:
         (self.stdout if fd == wire.STDOUT else self.stderr)._end()
@@ -252,6 +329,11 @@ class GuestProcess:
         self.stdout._end()
         self.stderr._end()
         self._exited.set()
+        with self._relay_lock:
+            self._ended = True
+            sink = self._sink
+            if sink is not None:
+                sink.finished(self)
 
     # -- state -----------------------------------------------------------------------------
     @property

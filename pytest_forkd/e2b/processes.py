@@ -7,13 +7,16 @@ resume), where :meth:`ProcessTable.hub` attaches to it again by pid. What
 envd knows of it besides the pid (command, arguments, envs, cwd, tag,
 deadline) is kept here, and copied to such children.
 
-Each attached process has one :class:`ProcessHub`: threads read its output
-from the guest as it comes and hand every chunk to the streams following it
-(``Start``, any number of ``Connect``), one bounded queue each, waiting for
-the slowest (so a client that does not read slows the reading down, and the
-guest keeps a bounded amount, as forkd does for any process). A chunk read
-while no stream follows is dropped, as envd drops output nobody listens to.
-When the process ends, every stream gets the end event; when its sandbox
+Each attached process has one :class:`ProcessHub`: forkd relays the
+process's output to it as it comes (:meth:`GuestProcess.relay
+<pytest_forkd.core.process.GuestProcess.relay>`: no thread waits on a read),
+and the hub hands every chunk, in the event loop, to the streams following
+it (``Start``, any number of ``Connect``), one bounded queue each, waiting
+for the slowest before it lets the guest send more (so a client that does
+not read slows the reading down, and the guest keeps a bounded amount, as
+forkd does for any process). A chunk that arrives while no stream follows
+is dropped, as envd drops output nobody listens to. When the process ends,
+every stream gets the end event, after all its output; when its sandbox
 ends first, the error that says why. A process started with a timeout
 (envd's ``Connect-Timeout-Ms``) is killed when it runs out, whether a
 client still listens or not: that is what keeps a client that went away
@@ -23,21 +26,18 @@ from leaving a process behind.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
-import queue
+import collections
 import signal as signal_module
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pytest_forkd.e2b.api_errors import ApiError
-from pytest_forkd.errors import ForkdError, NoSuchProcess, ProcessError
+from pytest_forkd.errors import NoSuchProcess, ProcessError
 
 if TYPE_CHECKING:
-    from pytest_forkd.core.process import GuestProcess
+    from pytest_forkd.core.process import GuestProcess, ProcessOutput
     from pytest_forkd.core.vm import VM
 
 #: Chunks waiting for one stream before the reading of the process waits for that stream.
@@ -97,7 +97,12 @@ class Subscription:
 
 
 class ProcessHub:
-    """One attached guest process: its output read from the guest and handed to the streams that follow it."""
+    """One attached guest process: its output, relayed from the guest, handed to the streams that follow it.
+
+    The relay (:class:`~pytest_forkd.core.process.ProcessSink`) is called in
+    forkd's reader thread; it only posts to the loop, where one task at a
+    time hands the chunks on in order and then gives their credit back.
+    """
 
     def __init__(
         self,
@@ -113,8 +118,9 @@ class ProcessHub:
         self._subscriptions: list[Subscription] = []
         self.end: ProcessEnd | None = None
         self.failure: ApiError | None = None
-        self._streams_left = 1 if config.pty else 2
-        self._lock = threading.Lock()
+        self._arrived: collections.deque[tuple[ProcessOutput, bytes] | None] = collections.deque()
+        """Chunks not handed on yet, in order; None: everything arrived. Bounded by the relay's credit."""
+        self._handing: asyncio.Task[None] | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
         self.done = asyncio.Event()
 
@@ -123,12 +129,8 @@ class ProcessHub:
         return self.process.pid
 
     def start(self) -> None:
-        """Start reading the output, and arm the deadline (in the loop)."""
-        streams = [("pty" if self.config.pty else "stdout", self.process.stdout)]
-        if not self.config.pty:
-            streams.append(("stderr", self.process.stderr))
-        for kind, stream in streams:
-            READERS.submit(functools.partial(self._pump, kind, stream))
+        """Follow the output, and arm the deadline (in the loop)."""
+        self.process.relay(self)
         if self.config.deadline is not None:
             delay = max(0.0, self.config.deadline - time.time())
             self._deadline_timer = self._loop.call_later(delay, self._expire)
@@ -153,6 +155,8 @@ class ProcessHub:
         if self.end is not None or self.failure is not None:
             return
         self.failure = error
+        if self._handing is not None:
+            self._handing.cancel()
         self._finish(("error", error))
 
     async def kill(self, sig: int) -> bool:
@@ -165,47 +169,51 @@ class ProcessHub:
             return False
         return True
 
-    # -- the reading threads ------------------------------------------------------------------------------
-    def _pump(self, kind: str, stream: Any) -> None:
-        try:
-            while True:
-                data = stream.read_chunk()
-                if not data:
-                    break
-                if not self._hand_over((kind, data)):
-                    return  # the server stopped
-        except (ForkdError, RuntimeError, asyncio.CancelledError):
-            pass  # the VM ended (fail() says why) or the server stopped
-        with self._lock:
-            self._streams_left -= 1
-            last = self._streams_left == 0
-        if last:
-            self._wait_exit()
+    # -- the relay (forkd's reader thread: post to the loop, never block) -------------------------------
+    def output(self, stream: ProcessOutput, data: bytes) -> None:
+        self._post((stream, data))
 
-    def _hand_over(self, event: tuple[str, Any]) -> bool:
-        """Give ``event`` to the streams (in the loop), waiting while the slowest is full; False if the loop closed."""
-        future = asyncio.run_coroutine_threadsafe(self._broadcast(event), self._loop)
-        while True:
-            try:
-                future.result(timeout=1.0)
-                return True
-            except concurrent.futures.TimeoutError:
-                if self._loop.is_closed():
-                    return False
+    def finished(self, process: GuestProcess) -> None:
+        self._post(None)
 
-    def _wait_exit(self) -> None:
-        try:  # its output ended; a process that closed its output early may still run: wait for its end
-            returncode = self.process.wait()
-        except ForkdError:
-            return  # the VM ended: fail() is called by its sandbox
+    def _post(self, item: tuple[ProcessOutput, bytes] | None) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._exited, ProcessEnd.of(returncode))
+            self._loop.call_soon_threadsafe(self._take, item)
         except RuntimeError:
-            pass
+            pass  # the server stopped
 
-    async def _broadcast(self, event: tuple[str, Any]) -> None:
-        for subscription in list(self._subscriptions):
-            await subscription.put(event)
+    # -- in the loop ------------------------------------------------------------------------------------
+    def _take(self, item: tuple[ProcessOutput, bytes] | None) -> None:
+        self._arrived.append(item)
+        if self._handing is None:
+            self._handing = self._loop.create_task(self._hand_on())
+
+    async def _hand_on(self) -> None:
+        """Hand the chunks to the streams in order (waiting while the slowest is full), then the end.
+
+        The credit of what was handed on goes back to the guest once nothing
+        more waits here (in a thread: it may write to the VM's channel).
+        """
+        owed: dict[ProcessOutput, int] = {}
+        try:
+            while self._arrived:
+                item = self._arrived.popleft()
+                if item is None:
+                    returncode = self.process.returncode
+                    if returncode is not None:
+                        self._exited(ProcessEnd.of(returncode))
+                    # else the VM ended under it: its sandbox calls fail() with the reason
+                    return
+                stream, data = item
+                kind = "pty" if self.config.pty else stream.name
+                for subscription in list(self._subscriptions):
+                    await subscription.put((kind, data))
+                owed[stream] = owed.get(stream, 0) + len(data)
+                if not self._arrived:
+                    await asyncio.to_thread(_give_back, owed)
+                    owed = {}
+        finally:
+            self._handing = None
 
     def _exited(self, end: ProcessEnd) -> None:
         if self.end is not None or self.failure is not None:
@@ -228,57 +236,6 @@ class ProcessHub:
 
     def _expire(self) -> None:
         asyncio.ensure_future(self.kill(signal_module.SIGKILL))
-
-
-class ReaderThreads:
-    """Daemon threads that read processes' output, each kept for the next process once its stream ended.
-
-    A stream needs a thread of its own while it lasts (a read blocks until the
-    guest sends more). Starting one per stream cost the event loop about a
-    millisecond per command (``Thread.start`` waits until the new thread runs,
-    and under load it waits for the GIL), so an idle thread takes the next
-    stream, and a new one starts only when none is idle. They are daemon
-    threads, unlike ``ThreadPoolExecutor``'s, which the interpreter joins at
-    exit: a stream of a process that outlives the server must not hold the
-    exit. A thread idle for :attr:`idle_seconds` ends.
-    """
-
-    idle_seconds = 30.0
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        """Waiting threads no job is meant for yet: every waiting thread is one of these or takes a queued job."""
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1
-        self._jobs.put(job)
-        if start:
-            threading.Thread(target=self._work, name="e2b-process-output", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get(timeout=self.idle_seconds)
-            except queue.Empty:
-                with self._lock:
-                    if self._idle > 0:  # nobody counts on this thread: end it
-                        self._idle -= 1
-                        return
-                continue  # a job was queued for a waiting thread just now: this one takes it
-            try:
-                job()
-            finally:
-                with self._lock:
-                    self._idle += 1
-
-
-#: The threads every :class:`ProcessHub` reads its process's output in.
-READERS = ReaderThreads()
 
 
 class ProcessTable:
@@ -381,6 +338,11 @@ class ProcessTable:
     def _check_open(self) -> None:
         if self._closed is not None:
             raise self._closed
+
+
+def _give_back(owed: dict[ProcessOutput, int]) -> None:
+    for stream, nbytes in owed.items():
+        stream.consumed(nbytes)
 
 
 def with_deadline(config: ProcessConfig, timeout_ms: float | None) -> ProcessConfig:

@@ -218,7 +218,9 @@ class ProcessCall(_Call):
     :meth:`credit` as it takes the data, so a stream nobody reads stops
     here and the guest keeps, bounded, what follows), ``{"fd", "eof"}`` when a
     stream ends, ``{"exited", "exit_code", "signal"}`` as soon as the process
-    ends, and a final frame once all output was delivered. The call stays
+    ends, and a final frame once all output was delivered, which also says
+    the exit (the frames before it that would say the same in one write are
+    left out). The call stays
     registered for as long as the process runs; the listener's ``on_end``
     runs once however it ends (final frame, error reply, channel closed).
     """
@@ -233,6 +235,7 @@ class ProcessCall(_Call):
         self._outstanding = {wire.STDOUT: 0, wire.STDERR: 0}
         self._uncredited = {wire.STDOUT: 0, wire.STDERR: 0}
         self._credit_lock = threading.Lock()
+        self._exit_told = False
         self.done = _NotifyingEvent(self._ended)
 
     def _ended(self) -> None:
@@ -245,6 +248,11 @@ class ProcessCall(_Call):
         if fields.get("more") is not True:
             self.fields = fields
             self.complete = True
+            # The final frame also says that the process exited: alone when nothing came between
+            # (the agent then leaves out the exit and end-of-stream frames).
+            if not self._exit_told and fields.get("exited") is True and type(fields.get("exit_code")) is int:
+                self._exit_told = True
+                self._listener.on_exit(fields["exit_code"])
             self.done.set()
             return
         if "pid" in fields:
@@ -256,6 +264,7 @@ class ProcessCall(_Call):
         if fields.get("exited") is True:
             if type(fields.get("exit_code")) is not int:
                 raise _Violation(f"the exit frame of {self.op!r} has a bad exit code: {_shown(fields)}")
+            self._exit_told = True
             self._listener.on_exit(fields["exit_code"])
             return
         fd = fields.get("fd")

@@ -107,7 +107,9 @@ of the previous one silently, since nobody reads them any more.
     "exit_code", "signal"}`` as soon as the process ended, whatever output is
     pending; and a final frame ``{exited, exit_code, signal, truncated,
     stdout_total, stderr_total}`` once all output was delivered, after which
-    the agent forgets the process.
+    the agent forgets the process. The final frame implies the ends of both
+    streams and the exit: end-of-stream and exit frames that would come just
+    before it, in the same write, are left out.
 ``attach``
     ``pid``, optional ``window``: the reply of ``spawn`` again, for a process
     spawned earlier (typically before the snapshot this VM was restored

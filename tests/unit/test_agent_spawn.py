@@ -381,3 +381,147 @@ def test_output_read_after_the_end_is_bounded_by_max_output_like_exec(vm: HostVM
     data = process.stdout.read(timeout=30)
     assert len(data) <= limit and process.truncated
     assert len(data) + process.stdout.skipped == 3_000_000
+
+
+# -- the end of a process: the final frame ------------------------------------------------------------
+
+
+class _Recorder:
+    """A process listener that notes what it is told, in order."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, Any]] = []
+
+    def on_output(self, fd: int, data: bytes, skipped: int) -> None:
+        self.told.append(("output", (fd, data)))
+
+    def on_eof(self, fd: int) -> None:
+        self.told.append(("eof", fd))
+
+    def on_exit(self, exit_code: int) -> None:
+        self.told.append(("exit", exit_code))
+
+    def on_end(self, call: object) -> None:
+        self.told.append(("end", None))
+
+
+class _Channel:
+    def _forget(self, call: object) -> None:
+        pass
+
+
+def test_a_final_frame_alone_tells_the_exit_once() -> None:
+    from pytest_forkd.guest.calls import ProcessCall
+
+    told_alone, told_both = _Recorder(), _Recorder()
+    alone = ProcessCall(_Channel(), "spawn", told_alone, window=1024)  # type: ignore[arg-type]
+    alone.feed(wire.Frame({"id": 1, "more": True, "pid": 42}))
+    alone.feed(wire.Frame({"id": 1, "exited": True, "exit_code": 3, "signal": None, "truncated": False}))
+    assert told_alone.told == [("exit", 3), ("end", None)]
+
+    both = ProcessCall(_Channel(), "spawn", told_both, window=1024)  # type: ignore[arg-type]
+    both.feed(wire.Frame({"id": 2, "more": True, "pid": 43}))
+    both.feed(wire.Frame({"id": 2, "more": True, "exited": True, "exit_code": 4, "signal": None}))
+    both.feed(wire.Frame({"id": 2, "exited": True, "exit_code": 4, "signal": None, "truncated": False}))
+    assert told_both.told == [("exit", 4), ("end", None)]
+
+
+def test_the_agent_leaves_out_the_end_frames_its_final_frame_stands_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one write, the final frame says that both streams ended and the process exited: nothing before it does."""
+    with AgentPair() as pair:
+        batches: list[list[dict[str, Any]]] = []
+        send = pair.agent._send_frames
+
+        def recording(frames: Any) -> None:
+            batches.append([dict(fields) for fields, _payload in frames])
+            send(frames)
+
+        monkeypatch.setattr(pair.agent, "_send_frames", recording)
+        with AgentClient(pair.host_end) as client:
+            vm = HostVM(client)
+            quick = vm.spawn(["sh", "-c", "echo out; exit 7"])
+            assert quick.wait(timeout=10) == 7
+            assert quick.stdout.read(timeout=10) == b"out\n"
+            # Its outputs end first; the exit comes in a later write, with the final frame.
+            closing = vm.spawn(["sh", "-c", "exec >&- 2>&-; sleep 0.3; exit 5"])
+            assert closing.wait(timeout=10) == 5
+    for batch in batches:
+        finals = [fields for fields in batch if "more" not in fields and "exit_code" in fields]
+        if finals:
+            request = finals[0]["id"]
+            ends = [f for f in batch if f["id"] == request and f.get("more") and (f.get("eof") or f.get("exited"))]
+            assert not ends, batch
+    finals = [fields for batch in batches for fields in batch if "more" not in fields and "exit_code" in fields]
+    assert [fields["exit_code"] for fields in finals] == [7, 5]
+
+
+# -- relaying the output to a sink (a server on an event loop) -----------------------------------------
+
+
+class _Sink:
+    """A ProcessSink that keeps what it gets and, unless told not to, passes the credit back at once."""
+
+    def __init__(self, *, consume: bool = True) -> None:
+        self.consume = consume
+        self.chunks: list[tuple[str, bytes]] = []
+        self.finished_with: list[int | None] = []
+        self.done = threading.Event()
+
+    def output(self, stream: Any, data: bytes) -> None:
+        assert not self.done.is_set(), "output after the end"
+        self.chunks.append((stream.name, data))
+        if self.consume:
+            threading.Thread(target=stream.consumed, args=(len(data),)).start()  # never from the reader thread
+
+    def finished(self, process: GuestProcess) -> None:
+        self.finished_with.append(process.returncode)
+        self.done.set()
+
+    def received(self, name: str) -> bytes:
+        return b"".join(data for stream, data in self.chunks if stream == name)
+
+
+def test_a_relay_gets_the_output_in_order_then_the_end(vm: HostVM) -> None:
+    proc = vm.spawn(["sh", "-c", "printf abc; sleep 0.2; printf err >&2; sleep 0.2; printf def; exit 3"])
+    sink = _Sink()
+    proc.relay(sink)
+    assert sink.done.wait(10)
+    assert sink.received("stdout") == b"abcdef" and sink.received("stderr") == b"err"
+    assert sink.finished_with == [3] and proc.wait(timeout=1) == 3
+    assert proc.stdout.total == 6 and proc.stderr.total == 3
+    with pytest.raises(ProcessError, match="relayed already"):
+        proc.relay(_Sink())
+
+
+def test_a_relay_started_late_gets_what_arrived_before_and_the_end_at_once(vm: HostVM) -> None:
+    proc = vm.spawn(["sh", "-c", "echo one; echo two >&2"])
+    assert proc.wait(timeout=10) == 0
+    poll_until(lambda: proc._finished, timeout=10, what="the final frame")
+    assert proc.stdout.readline(timeout=5) == b"one\n"  # read (and credited) before the relay: not handed again
+    sink = _Sink()
+    proc.relay(sink)
+    assert sink.done.is_set() and sink.finished_with == [0]
+    assert sink.received("stdout") == b"" and sink.received("stderr") == b"two\n"
+
+
+def test_a_relay_that_does_not_pass_the_credit_back_gets_no_more_than_the_window(vm: HostVM) -> None:
+    size = 1 << 20
+    window, _guest = output_bounds(256 * 1024)
+    stalled = vm.spawn(["sh", "-c", f"head -c {size} /dev/zero"], max_output=256 * 1024)
+    sink = _Sink(consume=False)
+    stalled.relay(sink)
+    time.sleep(0.5)
+    held = len(sink.received("stdout"))
+    assert 0 < held <= window and not sink.done.is_set()
+    assert stalled.wait(timeout=10) == 0  # the guest took its output in (bounded): it ended
+    assert not sink.done.wait(0.3)  # the end comes after the output the guest still keeps
+    sink.consume = True
+    stalled.stdout.consumed(held)
+    assert sink.done.wait(10) and sink.finished_with == [0]
+    assert stalled.truncated and len(sink.received("stdout")) < size  # the middle nobody took in time
+
+    flowing = vm.spawn(["sh", "-c", f"head -c {size} /dev/zero"], max_output=4 * size)  # room for all of it
+    sink = _Sink()
+    flowing.relay(sink)
+    assert sink.done.wait(30) and sink.finished_with == [0]
+    assert sink.received("stdout") == bytes(size) and not flowing.truncated

@@ -25,7 +25,7 @@ from support import wait_until_dead
 from pytest_forkd.errors import AgentError
 from pytest_forkd.guest.agent import cgroups as agent_cgroups
 from pytest_forkd.guest.agent.cgroups import CommandCgroups, _CommandGroup
-from pytest_forkd.guest.agent.users import Credentials, starting_as
+from pytest_forkd.guest.agent.users import Credentials, _AccountFile, starting_as
 from pytest_forkd.guest.client import AgentClient
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root, as in the guest")
@@ -142,7 +142,7 @@ class FakeAgentGroup:
     def write(self, pids: list[int]) -> None:
         self.procs.write_text("".join(f"{pid}\n" for pid in pids))
 
-    def move(self, procs: bytes, pid: int) -> None:
+    def move(self, pid: int) -> None:
         self.moved.append(pid)
         if self.moves:
             self.write([int(word) for word in self.procs.read_text().split() if int(word) != pid])
@@ -161,7 +161,7 @@ def _session_with_children() -> tuple[subprocess.Popen[bytes], list[int]]:
 
 
 def _adopt(tmp_path: Path, fake: FakeAgentGroup, pid: int, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    monkeypatch.setattr(agent_cgroups, "_move", fake.move)
+    monkeypatch.setattr(_CommandGroup, "move", lambda group, pid: fake.move(pid))
     monkeypatch.setattr(agent_cgroups, "set_oom_score", lambda pid, score: None)
     logged: list[str] = []
     command_groups = CommandCgroups(str(tmp_path / "forkd"), logged.append, str(fake.procs.parent))
@@ -201,3 +201,28 @@ def test_processes_that_stay_out_of_the_group_are_killed(tmp_path: Path, monkeyp
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()
+
+
+# -- the account files -----------------------------------------------------------------------------------
+
+
+def test_account_files_are_read_again_only_when_they_change(tmp_path: Path) -> None:
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0::/root:/bin/sh\n")
+    accounts = _AccountFile(str(path))
+
+    first = accounts.entries()
+    assert first == [["root", "x", "0", "0", "", "/root", "/bin/sh"]]
+    assert accounts.entries() is first  # unchanged: not read again
+
+    with path.open("a") as appending:  # edited in place
+        appending.write("user:x:1000:1000::/home/user:/bin/bash\n")
+    assert [entry[0] for entry in accounts.entries()] == ["root", "user"]
+
+    replacement = tmp_path / "passwd.new"  # a new file renamed over it, as useradd does
+    replacement.write_text("user:x:1001:1001::/home/user:/bin/bash\n")
+    os.replace(replacement, path)
+    assert accounts.entries() == [["user", "x", "1001", "1001", "", "/home/user", "/bin/bash"]]
+
+    path.unlink()
+    assert accounts.entries() == []

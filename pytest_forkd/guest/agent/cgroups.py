@@ -42,6 +42,7 @@ class CommandCgroups:
         self._log = log
         # The agent's own group: a command forks there until it is moved to its own (see adopt).
         self._agent_procs = os.path.join(agent_group, "cgroup.procs") if agent_group is not None else None
+        self._agent_procs_fd = -1  # opened on first use and kept: it is read for every command
         self._counter = 0
         self._lock = threading.Lock()
         self._occupied: list[_CommandGroup] = []
@@ -69,12 +70,15 @@ class CommandCgroups:
         return cgroups
 
     def take(self) -> _CommandGroup:
-        """An empty group for one command: a free one, else a new one."""
+        """An empty group for one command: a free one, else a new one.
+
+        A caller that reports OOM kills calls :meth:`_CommandGroup.start` on
+        it; a spawned process does not, and is spared reading the counts.
+        """
         with self._lock:
             group = self._free.pop() if self._free else None
         if group is None:
             group = self.create()
-        group.start()
         return group
 
     def release(self, group: _CommandGroup) -> None:
@@ -98,20 +102,22 @@ class CommandCgroups:
         while the one before it is moved); what still escapes after
         :data:`ADOPT_ROUNDS` is killed. ``oom_score``: the score each gets.
         """
-        _move(group.procs, pid)
+        group.move(pid)
         if oom_score is not None:
             set_oom_score(pid, oom_score)
         if self._agent_procs is None:
             return
+        if self._agent_procs_fd < 0:
+            self._agent_procs_fd = os.open(self._agent_procs, os.O_RDONLY | os.O_CLOEXEC)
         for _ in range(ADOPT_ROUNDS):
-            strays = _session_members(self._agent_procs, pid)
+            strays = _session_members(self._agent_procs_fd, pid)
             if not strays:
                 return
             for stray in strays:
-                _move(group.procs, stray)
+                group.move(stray)
                 if oom_score is not None:
                     set_oom_score(stray, oom_score)
-        for stray in _session_members(self._agent_procs, pid):
+        for stray in _session_members(self._agent_procs_fd, pid):
             with contextlib.suppress(OSError):
                 os.kill(stray, signal.SIGKILL)
         self._log(f"killed processes of command {pid} that forked faster than they could be moved into its cgroup")
@@ -152,12 +158,22 @@ class CommandCgroups:
 
 
 class _CommandGroup:
-    __slots__ = ("_oom_kills_before", "path", "procs")
+    __slots__ = ("_oom_kills_before", "_procs_fd", "path", "procs")
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.procs = os.fsencode(os.path.join(path, "cgroup.procs"))
         self._oom_kills_before = 0
+        self._procs_fd = -1  # for moves: opened on the first and kept while the group is reused
+
+    def move(self, pid: int) -> None:
+        """Move process ``pid`` into the group; a process that already exited is no error."""
+        if self._procs_fd < 0:
+            self._procs_fd = os.open(self.procs, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(self._procs_fd, str(pid).encode())
+        except ProcessLookupError:
+            pass
 
     def start(self) -> None:
         """A command is about to run in the group: its OOM kills are counted from here."""
@@ -210,6 +226,10 @@ class _CommandGroup:
             return 0
 
     def remove(self) -> bool:
+        if self._procs_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._procs_fd)
+            self._procs_fd = -1
         try:
             os.rmdir(self.path)
         except FileNotFoundError:
@@ -245,32 +265,42 @@ def _enter_own_group(path: str, log: Callable[[str], None]) -> str | None:
     return path
 
 
-def _move(procs: bytes, pid: int) -> None:
-    """Write ``pid`` into a group's ``cgroup.procs``; a process that already exited is no error."""
-    try:
-        _write_text(os.fsdecode(procs), str(pid))
-    except ProcessLookupError:
-        pass
+def _session_members(procs_fd: int, session: int) -> list[int]:
+    """The processes a cgroup.procs file (open as ``procs_fd``) lists whose session is ``session``, the agent excepted.
 
-
-def _session_members(procs: str, session: int) -> list[int]:
-    """The processes listed in ``procs`` (a cgroup.procs file) whose session is ``session``, the agent excepted."""
+    Runs for every command started outside its group, where most often the
+    agent is alone in the list: a kept descriptor read from its start (the
+    kernel lists the group anew), no file objects.
+    """
     agent = os.getpid()
-    with open(procs, "rb") as listing:
-        pids = [int(word) for word in listing.read().split()]
+    listing = []
+    offset = 0
+    while chunk := os.pread(procs_fd, 65536, offset):
+        listing.append(chunk)
+        offset += len(chunk)
     members = []
-    for pid in pids:
+    for pid in map(int, b"".join(listing).split()):
         if pid == agent:
             continue
         try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
-                fields = stat.read().rpartition(b")")[2].split()
+            # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
+            fields = _read_all(f"/proc/{pid}/stat").rpartition(b")")[2].split()
         except OSError:
             continue
         if len(fields) > 3 and int(fields[3]) == session:
             members.append(pid)
     return members
+
+
+def _read_all(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _enable_controllers(group: str, log: Callable[[str], None]) -> None:
@@ -298,8 +328,7 @@ def _command_memory_limit() -> int:
 
 
 def _read_text(path: str) -> str:
-    with open(path) as source:
-        return source.read()
+    return _read_all(path).decode()
 
 
 def _write_text(path: str, text: str) -> None:

@@ -22,6 +22,7 @@ from .common import (
     OUTPUT_DRAIN_AFTER_EXIT,
     RequestError,
     _current,
+    no_input,
 )
 from .launch import start_command
 from .streams import _OutputStream, _read_or_eio, _StreamCapture
@@ -118,6 +119,8 @@ def _run_command(
     started = time.monotonic()
     captures = [_StreamCapture(wire.STDOUT, max_output), _StreamCapture(wire.STDERR, max_output)]
     group = cgroups.take() if cgroups is not None else None
+    if group is not None:
+        group.start()
     outputs: list[IO[bytes]] | None = None
     stdin_file: IO[bytes] | None = None
     try:
@@ -131,7 +134,7 @@ def _run_command(
                     return process
                 return subprocess.Popen(
                     command,
-                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                    stdin=subprocess.PIPE if stdin else no_input(),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     cwd=cwd,

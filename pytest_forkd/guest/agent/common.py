@@ -76,6 +76,29 @@ def _leave_clock_alone(seconds: float) -> None:
     pass
 
 
+_devnull_lock = threading.Lock()
+_devnull_fd = -1
+
+
+def no_input() -> int:
+    """What a command without input gets as stdin: /dev/null, opened once and kept.
+
+    ``subprocess.DEVNULL`` opens and closes it for every command, which in an
+    emulated guest is a cost on every start. Falls back to that where the
+    guest has no /dev/null.
+    """
+    global _devnull_fd
+    with _devnull_lock:
+        if _devnull_fd < 0:
+            try:
+                _devnull_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                import subprocess
+
+                return subprocess.DEVNULL
+        return _devnull_fd
+
+
 def log_to_stderr(message: str) -> None:
     print(f"forkd-agent: {message}", file=sys.stderr, flush=True)
 

@@ -14,7 +14,15 @@ import time
 
 from .cgroups import CommandCgroups, _CommandGroup
 from .commands import _discard_until_eof
-from .common import _PIPE_READ_SIZE, _PIPE_SIZE, _STDIN_WRITE_SIZE, OUTPUT_DRAIN_AFTER_EXIT, RequestError, log_to_stderr
+from .common import (
+    _PIPE_READ_SIZE,
+    _PIPE_SIZE,
+    _STDIN_WRITE_SIZE,
+    OUTPUT_DRAIN_AFTER_EXIT,
+    RequestError,
+    log_to_stderr,
+    no_input,
+)
 from .launch import start_command
 from .streams import _LiveBuffer, _read_or_eio
 from .terminal import _set_window_size, _start_on_terminal
@@ -119,7 +127,7 @@ class _Spawned:
         try:
             if terminal is None:
                 stdin_fd: int | None = None
-                child_stdin = subprocess.DEVNULL
+                child_stdin = no_input()
                 if stdin:
                     child_stdin, stdin_fd = os.pipe2(os.O_CLOEXEC)
                     child_ends.append(child_stdin)
@@ -358,19 +366,26 @@ class _Spawned:
             attachment = self._attachment
             if attachment is not None:
                 request_id = attachment.request_id
+                endings = 0  # end-of-stream and exit frames this flush added (the last frames so far)
                 for number, buffer in self._buffers.items():
                     while attachment.credit[number] > 0 and buffer.size:
                         chunk, skipped = buffer.take(min(attachment.credit[number], wire.OUTPUT_CHUNK_SIZE))
                         attachment.credit[number] -= len(chunk)
                         extra = {"skipped": skipped} if skipped else {}
                         frames.append(({"id": request_id, "more": True, "fd": number, **extra}, chunk))
+                        endings = 0
                     if not buffer.size and number in self._closed_streams and number not in attachment.eof_sent:
                         attachment.eof_sent.add(number)
                         frames.append(({"id": request_id, "more": True, "fd": number, "eof": True}, b""))
+                        endings += 1
                 if self.exit_code is not None and not attachment.exit_sent:
                     attachment.exit_sent = True
                     frames.append(({"id": request_id, "more": True, **self._exit_fields()}, b""))
+                    endings += 1
                 if attachment.exit_sent and len(attachment.eof_sent) == 2:
+                    # The final frame says all of it (both streams ended, and the exit): the frames
+                    # that said it just before it in this same write are left out.
+                    del frames[len(frames) - endings :]
                     stdout, stderr = self._buffers[wire.STDOUT], self._buffers[wire.STDERR]
                     frames.append(
                         (
@@ -437,6 +452,8 @@ class _ProcessPump:
         self._jobs: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
+        self._serving_ident: int | None = None
+        self._look_again = False  # set by the pump's own thread instead of writing to the wake-up pipe
         self._closing = False
 
     def run(self, job: Callable[[], None]) -> None:
@@ -470,6 +487,11 @@ class _ProcessPump:
         self._signal()
 
     def _signal(self) -> None:
+        if threading.get_ident() == self._serving_ident:
+            # A spawn running on the pump (it follows the new process, attaches its request): the pump
+            # looks again before it waits, without a write and a read of the pipe.
+            self._look_again = True
+            return
         with self._lock:  # never a write to a descriptor number the pump has closed (and the system reused)
             if self._wake_write >= 0:
                 with contextlib.suppress(BlockingIOError, OSError):
@@ -483,6 +505,7 @@ class _ProcessPump:
         self._wake_read = self._wake_write = -1
 
     def _serve(self) -> None:
+        self._serving_ident = threading.get_ident()
         while True:
             with self._lock:
                 jobs = list(self._jobs)
@@ -496,6 +519,7 @@ class _ProcessPump:
                 followed = list(self._followed)
                 if self._closing and not followed and not self._jobs:
                     self._thread = None
+                    self._serving_ident = None
                     self._close_pipe()
                     return
             poller = select.poll()
@@ -510,6 +534,9 @@ class _ProcessPump:
                 left = spawned.drain_left(now)
                 if left is not None:
                     wait = left if wait is None else min(wait, left)
+            if self._look_again:
+                self._look_again = False
+                wait = 0.0
             touched: set[_Spawned] = set()
             for fd, _events in poller.poll(None if wait is None else max(wait * 1000, 0)):
                 if fd == self._wake_read:

@@ -173,12 +173,41 @@ def starting_as(credentials: Credentials) -> Iterator[None]:
             call(setgroups, len(groups), (ctypes.c_uint * len(groups))(*groups))
 
 
-def _entries(path: str) -> list[list[str]]:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as source:
-            return [line.rstrip("\n").split(":") for line in source if line.strip() and not line.startswith("#")]
-    except OSError:
-        return []
+class _AccountFile:
+    """``/etc/passwd`` or ``/etc/group`` as lines of fields, read again only when the file changed.
+
+    Every command that names a user resolves it; in an emulated guest reading
+    and splitting the file each time costs more than a ``stat``. A change is
+    seen by the file's identity, size and change times, which every way of
+    editing it (in place, or a new file renamed over it) moves.
+    """
+
+    __slots__ = ("_cached", "path")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._cached: tuple[tuple[int, ...], list[list[str]]] | None = None
+
+    def entries(self) -> list[list[str]]:
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return []
+        version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        cached = self._cached
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as source:
+                entries = [line.rstrip("\n").split(":") for line in source if line.strip() and not line.startswith("#")]
+        except OSError:
+            return []
+        self._cached = (version, entries)
+        return entries
+
+
+_PASSWD = _AccountFile("/etc/passwd")
+_GROUP = _AccountFile("/etc/group")
 
 
 def resolve_user(spec: str) -> Credentials:
@@ -190,7 +219,7 @@ def resolve_user(spec: str) -> Credentials:
     user, _, group = spec.partition(":")
     if not user:
         raise RequestError("BadRequest", f"user {spec!r}: give a user name or number (USER[:GROUP])")
-    passwd = _entries("/etc/passwd")
+    passwd = _PASSWD.entries()
     entry = next((fields for fields in passwd if len(fields) >= 7 and fields[0] == user), None)
     if entry is None and user.isdigit():
         entry = next((fields for fields in passwd if len(fields) >= 7 and fields[2] == user), None)
@@ -210,7 +239,7 @@ def resolve_user(spec: str) -> Credentials:
         if group.isdigit():
             gid = int(group)
         else:
-            match = next((fields for fields in _entries("/etc/group") if len(fields) >= 3 and fields[0] == group), None)
+            match = next((fields for fields in _GROUP.entries() if len(fields) >= 3 and fields[0] == group), None)
             if match is None or not match[2].isdigit():
                 raise RequestError(
                     "BadRequest", f"unable to find group {group}: no matching entries in the image's /etc/group"
