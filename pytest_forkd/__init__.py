@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from .core.checkpoint import Checkpoint
     from .core.copy import CopyResult
     from .core.factory import VMFactory, boot, import_snapshot
-    from .core.process import GuestProcess, ProcessOutput
+    from .core.process import GuestProcess, ProcessOutput, ProcessSink
     from .core.runtime import Runtime
     from .core.vm import VM
     from .guest.exec_result import ExecResult
@@ -69,6 +69,7 @@ _LAZY: dict[str, str] = {
     "AsyncGuestProcess": "pytest_forkd.aio",
     "GuestProcess": "pytest_forkd.core.process",
     "ProcessOutput": "pytest_forkd.core.process",
+    "ProcessSink": "pytest_forkd.core.process",
     "AsyncSnapshot": "pytest_forkd.aio",
     "AsyncVM": "pytest_forkd.aio",
     "aboot": "pytest_forkd.aio",
@@ -127,6 +128,7 @@ __all__ = [
     "NoSuchProcess",
     "ProcessError",
     "ProcessOutput",
+    "ProcessSink",
     "ProcessTimeout",
     "Runtime",
     "Snapshot",
