@@ -66,6 +66,7 @@ _IDENTITY_SYSCALLS = {"x86_64": (122, 123, 116), "aarch64": (151, 152, 159)}
 _SETRES_SYSCALLS = {"x86_64": (117, 119), "aarch64": (147, 149)}
 _MACHINE = os.uname().machine
 _libc: Any = None
+_ids_call: Any = None
 
 
 def _syscall() -> Any:
@@ -77,9 +78,26 @@ def _syscall() -> Any:
     return _libc.syscall
 
 
+def _ids_syscall() -> Any:
+    """libc's ``syscall`` typed for (number, id, id, id): the ints are converted in C, not as Python objects.
+
+    A function object of its own (``CDLL[name]`` makes a new one), so the typing stays off other callers.
+    """
+    global _ids_call
+    if _ids_call is None:
+        import ctypes
+
+        _syscall()
+        function = _libc["syscall"]
+        function.argtypes = (ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long)
+        _ids_call = function
+    return _ids_call
+
+
 def prepare_user_switch() -> None:
     """Load what switching users needs now, so that a forked child of a snapshot does not pay for it."""
     _syscall()
+    _ids_syscall()
 
 
 @contextlib.contextmanager
@@ -122,8 +140,7 @@ def acting_as(credentials: Credentials) -> Iterator[None]:
         syscall(ctypes.c_long(setgroups), ctypes.c_long(len(groups)), listed)
 
 
-@contextlib.contextmanager
-def starting_as(credentials: Credentials) -> Iterator[None]:
+def starting_as(credentials: Credentials) -> _StartingAs:
     """Inside the block this thread has ``credentials``' ids and no other groups: a process it starts is that user.
 
     Linux keeps credentials per thread; the C library's wrappers switch every
@@ -137,40 +154,74 @@ def starting_as(credentials: Credentials) -> Iterator[None]:
     the agent may not switch (it is not root). Nothing in the block may import:
     the user may not be able to read the agent's files.
     """
-    if credentials.is_root:
-        yield
-        return
-    numbers = _SETRES_SYSCALLS.get(_MACHINE)
-    if numbers is None:
-        raise RequestError("Unsupported", f"running a command as another user is not implemented on {_MACHINE}")
-    setresuid, setresgid = numbers
-    setgroups = _IDENTITY_SYSCALLS[_MACHINE][2]
-    syscall = _syscall()
-    uid, gid, groups = os.geteuid(), os.getegid(), os.getgroups()
+    return _StartingAs(credentials)
 
-    import ctypes  # loaded by _syscall() already: no file is read here
 
-    def call(number: int, *args: Any) -> None:
-        # As C longs: the kernel truncates to 32-bit uid_t and gid_t, where -1 (keep this id) is 0xffffffff.
-        if syscall(ctypes.c_long(number), *(ctypes.c_long(arg) if type(arg) is int else arg for arg in args)) != 0:
-            code = ctypes.get_errno()
-            raise PermissionError(code, f"cannot run a command as user {credentials.uid}: {os.strerror(code)}")
+class _StartingAs:
+    """:func:`starting_as`'s block: a plain object and typed calls, as it runs for every command started as a user."""
 
-    if groups:  # the guest's agent has none (the kernel starts init without): two calls saved per command
-        call(setgroups, 0, None)
-    try:
-        call(setresgid, credentials.gid, credentials.gid, -1)
+    __slots__ = ("_credentials", "_restore")
+
+    def __init__(self, credentials: Credentials) -> None:
+        self._credentials = credentials
+        self._restore: tuple[int, int, list[int]] | None = None
+
+    def __enter__(self) -> None:
+        credentials = self._credentials
+        if credentials.is_root:
+            return
+        numbers = _SETRES_SYSCALLS.get(_MACHINE)
+        if numbers is None:
+            raise RequestError("Unsupported", f"running a command as another user is not implemented on {_MACHINE}")
+        setresuid, setresgid = numbers
+        uid, gid, groups = os.geteuid(), os.getegid(), os.getgroups()
+        if groups:  # the guest's agent has none (the kernel starts init without): two calls saved per command
+            self._set_groups([])
         try:
-            call(setresuid, credentials.uid, credentials.uid, -1)
+            self._call(setresgid, credentials.gid)
             try:
-                yield
-            finally:
-                call(setresuid, uid, uid, -1)
+                self._call(setresuid, credentials.uid)
+            except BaseException:
+                self._call(setresgid, gid)
+                raise
+        except BaseException:
+            if groups:
+                self._set_groups(groups)
+            raise
+        self._restore = (uid, gid, groups)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._restore is None:
+            return
+        uid, gid, groups = self._restore
+        self._restore = None
+        setresuid, setresgid = _SETRES_SYSCALLS[_MACHINE]
+        try:
+            self._call(setresuid, uid)
         finally:
-            call(setresgid, gid, gid, -1)
-    finally:
-        if groups:
-            call(setgroups, len(groups), (ctypes.c_uint * len(groups))(*groups))
+            try:
+                self._call(setresgid, gid)
+            finally:
+                if groups:
+                    self._set_groups(groups)
+
+    def _call(self, number: int, new_id: int) -> None:
+        # setresuid/setresgid(id, id, -1): the kernel truncates C longs to 32-bit ids, where -1 keeps the saved id.
+        if _ids_syscall()(number, new_id, new_id, -1) != 0:
+            self._refuse()
+
+    def _set_groups(self, groups: list[int]) -> None:
+        import ctypes  # loaded by prepare_user_switch() already: no file is read here
+
+        listed = (ctypes.c_uint * len(groups))(*groups) if groups else None
+        if _syscall()(ctypes.c_long(_IDENTITY_SYSCALLS[_MACHINE][2]), ctypes.c_long(len(groups)), listed) != 0:
+            self._refuse()
+
+    def _refuse(self) -> None:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise PermissionError(code, f"cannot run a command as user {self._credentials.uid}: {os.strerror(code)}")
 
 
 class _AccountFile:
