@@ -176,9 +176,11 @@ def test_an_attach_sent_as_soon_as_the_pid_is_known_is_not_overtaken_by_the_spaw
     other_attach_arrived = threading.Event()
 
     def late_after_the_first_pid_frame(agent: Any, fields: dict[str, Any], payload: Any) -> None:
-        send_frame(agent, fields, payload)
-        if "pid" in fields and not delayed:  # the spawn's thread is slow to go on after naming the process
+        first = "pid" in fields and not delayed
+        if first:  # noted before the frame goes: the host may attach before this thread runs on
             delayed.append(fields["id"])
+        send_frame(agent, fields, payload)
+        if first:  # the spawn's thread is slow to go on after naming the process
             # Until the other attach is in the agent, and a moment more: one not held back would be done.
             assert other_attach_arrived.wait(timeout=10), "the host never attached"
             time.sleep(0.1)
