@@ -109,18 +109,15 @@ class ProcessOutput:
         self._relayed_credit = 0  # bytes handed to a sink that were already credited (see consumed)
 
     # -- fed by the agent client's reader thread ---------------------------------------
-    def _count(self, data: bytes, skipped: int) -> None:
+    def _feed(self, data: bytes, skipped: int, *, keep: bool = True) -> None:
+        """Count what arrived; ``keep``: and keep it for the readers (not when a sink takes it)."""
         with self._condition:
             self.skipped += skipped
             self.total += len(data)
-
-    def _feed(self, data: bytes, skipped: int) -> None:
-        with self._condition:
-            self.skipped += skipped
-            self.total += len(data)
-            if data:
-                self._chunks.append(data)
-            self._condition.notify_all()
+            if keep:
+                if data:
+                    self._chunks.append(data)
+                self._condition.notify_all()
 
     def _end(self) -> None:
         with self._condition:
@@ -309,11 +306,8 @@ class GuestProcess:
         stream = self.stdout if fd == wire.STDOUT else self.stderr
         with self._relay_lock:
             sink = self._sink
-            if sink is None:
-                stream._feed(data, skipped)
-                return
-            stream._count(data, skipped)
-            if data:
+            stream._feed(data, skipped, keep=sink is None)
+            if sink is not None and data:
                 sink.output(stream, data)
 
     def on_eof(self, fd: int) -> None:

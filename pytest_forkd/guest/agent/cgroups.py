@@ -40,9 +40,14 @@ class CommandCgroups:
     def __init__(self, base: str, log: Callable[[str], None], agent_group: str | None = None) -> None:
         self._base = base
         self._log = log
-        # The agent's own group: a command forks there until it is moved to its own (see adopt).
-        self._agent_procs = os.path.join(agent_group, "cgroup.procs") if agent_group is not None else None
-        self._agent_procs_fd = -1  # opened on first use and kept: it is read for every command
+        # The agent's own group's cgroup.procs: a command forks there until it is moved to its own (see
+        # adopt). Opened once: it is read for every command started outside its group.
+        self._agent_procs_fd: int | None = None
+        if agent_group is not None:
+            try:
+                self._agent_procs_fd = os.open(os.path.join(agent_group, "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                log(f"cannot read {agent_group}/cgroup.procs: {exc}; what a command forks before its move stays out")
         self._counter = 0
         self._lock = threading.Lock()
         self._occupied: list[_CommandGroup] = []
@@ -105,10 +110,8 @@ class CommandCgroups:
         group.move(pid)
         if oom_score is not None:
             set_oom_score(pid, oom_score)
-        if self._agent_procs is None:
+        if self._agent_procs_fd is None:
             return
-        if self._agent_procs_fd < 0:
-            self._agent_procs_fd = os.open(self._agent_procs, os.O_RDONLY | os.O_CLOEXEC)
         for _ in range(ADOPT_ROUNDS):
             strays = _session_members(self._agent_procs_fd, pid)
             if not strays:
@@ -273,13 +276,8 @@ def _session_members(procs_fd: int, session: int) -> list[int]:
     kernel lists the group anew), no file objects.
     """
     agent = os.getpid()
-    listing = []
-    offset = 0
-    while chunk := os.pread(procs_fd, 65536, offset):
-        listing.append(chunk)
-        offset += len(chunk)
     members = []
-    for pid in map(int, b"".join(listing).split()):
+    for pid in map(int, _read_from_start(procs_fd).split()):
         if pid == agent:
             continue
         try:
@@ -295,12 +293,19 @@ def _session_members(procs_fd: int, session: int) -> list[int]:
 def _read_all(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return _read_from_start(fd)
     finally:
         os.close(fd)
+
+
+def _read_from_start(fd: int) -> bytes:
+    """Everything in the file ``fd`` from its start (a cgroup or /proc file is generated anew at offset 0)."""
+    chunks = []
+    offset = 0
+    while chunk := os.pread(fd, 65536, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
 
 
 def _enable_controllers(group: str, log: Callable[[str], None]) -> None:
