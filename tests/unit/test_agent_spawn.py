@@ -143,10 +143,8 @@ def test_unread_output_is_bounded_and_the_middle_dropped(vm: HostVM) -> None:
     assert proc.stdout.ended
 
 
-def test_attach_again_moves_the_stream_and_the_old_handle_is_told(vm: HostVM) -> None:
-    proc = vm.spawn(["cat"])
-    listed = vm.agent.processes()
-    assert [item["pid"] for item in listed] == [proc.pid] and listed[0]["exit_code"] is None
+def _attach_again_and_talk_through_it(vm: HostVM, proc: GuestProcess) -> None:
+    """A second handle attaches to ``proc`` (a `cat`): it gets the answers, and the first handle is told."""
     second = GuestProcess(vm, ["cat"], pty=False, max_output=1 << 20)  # type: ignore[arg-type]
     second._attach(proc.pid)
     second.write_stdin(b"to the new reader\n")
@@ -155,6 +153,13 @@ def test_attach_again_moves_the_stream_and_the_old_handle_is_told(vm: HostVM) ->
         proc.stdout.readline(timeout=10)
     second.close_stdin()
     assert second.wait(timeout=10) == 0
+
+
+def test_attach_again_moves_the_stream_and_the_old_handle_is_told(vm: HostVM) -> None:
+    proc = vm.spawn(["cat"])
+    listed = vm.agent.processes()
+    assert [item["pid"] for item in listed] == [proc.pid] and listed[0]["exit_code"] is None
+    _attach_again_and_talk_through_it(vm, proc)
     with pytest.raises(NoSuchProcess):
         GuestProcess(vm, ["x"], pty=False, max_output=1)._attach(999999)  # type: ignore[arg-type]
 
@@ -170,16 +175,16 @@ def test_an_attach_sent_as_soon_as_the_pid_is_known_is_not_overtaken_by_the_spaw
     """
     from pytest_forkd.guest.agent import server
 
-    send_frame = server.Agent._send_frame
+    send_frames = server.Agent._send_frames
     start_attachment = server.Agent._start_attachment
     delayed: list[int] = []
     other_attach_arrived = threading.Event()
 
-    def late_after_the_first_pid_frame(agent: Any, fields: dict[str, Any], payload: Any) -> None:
-        first = "pid" in fields and not delayed
+    def late_after_the_first_pid_frame(agent: Any, frames: Any) -> None:
+        first = "pid" in frames[0][0] and not delayed
         if first:  # noted before the frame goes: the host may attach before this thread runs on
-            delayed.append(fields["id"])
-        send_frame(agent, fields, payload)
+            delayed.append(frames[0][0]["id"])
+        send_frames(agent, frames)
         if first:  # the spawn's thread is slow to go on after naming the process
             # Until the other attach is in the agent, and a moment more: one not held back would be done.
             assert other_attach_arrived.wait(timeout=10), "the host never attached"
@@ -190,18 +195,38 @@ def test_an_attach_sent_as_soon_as_the_pid_is_known_is_not_overtaken_by_the_spaw
             other_attach_arrived.set()
         start_attachment(agent, spawned, fields)
 
-    monkeypatch.setattr(server.Agent, "_send_frame", late_after_the_first_pid_frame)
+    monkeypatch.setattr(server.Agent, "_send_frames", late_after_the_first_pid_frame)
     monkeypatch.setattr(server.Agent, "_start_attachment", arriving)
     proc = vm.spawn(["cat"])
-    second = GuestProcess(vm, ["cat"], pty=False, max_output=1 << 20)  # type: ignore[arg-type]
-    second._attach(proc.pid)
-    second.write_stdin(b"to the new reader\n")
-    assert second.stdout.readline(timeout=10) == b"to the new reader\n"
+    _attach_again_and_talk_through_it(vm, proc)
     assert delayed  # the slow spawn really was slow
-    with pytest.raises(ProcessError, match="another request attached"):
-        proc.stdout.readline(timeout=10)
-    second.close_stdin()
-    assert second.wait(timeout=10) == 0
+
+
+def test_what_a_process_answers_after_an_attach_named_it_goes_to_that_attach(
+    vm: HostVM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host writes to a process as soon as an attach's first frame names it.
+
+    The answer must stream to that attach, even when the agent's thread that
+    sent the frame is slow to go on (seen under load): the switch of the
+    stream happens before the frame goes, not after.
+    """
+    from pytest_forkd.guest.agent import server
+
+    send_frames = server.Agent._send_frames
+    named: list[int] = []
+
+    def slow_after_naming_the_process_again(agent: Any, frames: Any) -> None:
+        send_frames(agent, frames)
+        if "pid" in frames[0][0]:
+            named.append(frames[0][0]["id"])
+            if len(named) == 2:
+                time.sleep(0.5)  # the host reads the frame and writes to the process meanwhile
+
+    monkeypatch.setattr(server.Agent, "_send_frames", slow_after_naming_the_process_again)
+    proc = vm.spawn(["cat"])
+    _attach_again_and_talk_through_it(vm, proc)
+    assert len(named) == 2  # the attach was the slow one
 
 
 def test_a_new_host_client_drops_the_old_attachment_silently(channel: tuple[socket.socket, socket.socket]) -> None:

@@ -186,10 +186,18 @@ class _Spawned:
         return {"pid": self.pid, "command": self.command, "exit_code": self.exit_code}
 
     def attach(self, request_id: int, client: str | None, window: int) -> None:
+        """Stream the output to ``request_id`` from now on, naming the process to it in the first frame.
+
+        The switch and that frame happen under the lock that every flush takes:
+        a host may write to the process the moment it reads the frame, and
+        what the process answers must go to this request, after the frame,
+        never to the one it replaced.
+        """
         with self._lock:
             if self._attachment is not None:
                 self._replaced.append(self._attachment)
             self._attachment = _Attachment(request_id, client, window)
+            self._send_frames([({"id": request_id, "more": True, "pid": self.pid}, b"")])
         self._wake()
 
     def drop_attachments_except(self, client: str) -> None:

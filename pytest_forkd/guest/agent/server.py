@@ -490,11 +490,11 @@ class Agent:
         self._start_attachment(self._process(fields), fields)
 
     def _start_attachment(self, spawned: _Spawned, fields: dict[str, Any]) -> None:
-        """Name the process to the request (first frame), then stream its output to it.
+        """Stream the process's output to the request, whose first frame names the process.
 
-        Both happen under the client lock, which every attachment takes: a
-        host may attach another request as soon as it reads the first frame,
-        and that attachment must come after this one, not be replaced by it.
+        Under the client lock, which every attachment takes: a host may attach
+        another request as soon as it reads the first frame, and that
+        attachment must come after this one, not be replaced by it.
         """
         window = _optional(fields, "window", int) or wire.OUTPUT_WINDOW
         window = min(max(window, 1), MAX_OUTPUT_WINDOW)
@@ -502,7 +502,6 @@ class Agent:
         with self._client_lock:
             if client is not None and self._client is not None and client != self._client:
                 return  # a newer host client spoke meanwhile: nobody reads this request any more
-            self._send_frame({"id": fields["id"], "more": True, "pid": spawned.pid}, b"")
             self._attachments[fields["id"]] = spawned
             spawned.attach(fields["id"], client, window)
 
