@@ -178,8 +178,8 @@ def guest_runs(command: list[str], env: dict[str, str], project: Path) -> dict[s
         assert process.wait(timeout=60) in (0, 1)  # 1: some tests failed, as pytest says
         return runs
     finally:
-        process.kill()
-        process.wait(timeout=30)
+        with process:  # reaped, and its pipes closed
+            process.kill()
 
 
 def junit(path: Path) -> dict[str, Any]:

@@ -184,8 +184,8 @@ def test_what_a_command_forked_before_its_move_follows_it_and_nothing_else(
         assert logged == []
     finally:
         for process in (leader, stranger):
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            with process:  # reaped, and its pipe closed
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_processes_that_stay_out_of_the_group_are_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,8 +199,8 @@ def test_processes_that_stay_out_of_the_group_are_killed(tmp_path: Path, monkeyp
         assert all(wait_until_dead(child) for child in children)
         assert logged and "killed processes of command" in logged[0]
     finally:
-        os.killpg(leader.pid, signal.SIGKILL)
-        leader.wait()
+        with leader:  # reaped, and its pipe closed
+            os.killpg(leader.pid, signal.SIGKILL)
 
 
 # -- the account files -----------------------------------------------------------------------------------

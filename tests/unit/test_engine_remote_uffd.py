@@ -48,8 +48,8 @@ def helper() -> Iterator[tuple[subprocess.Popen, int]]:
         address = int(process.stdout.readline())
         yield process, address
     finally:
-        process.kill()
-        process.wait()
+        with process:  # reaped, and its pipes closed
+            process.kill()
 
 
 def ask(process: subprocess.Popen, line: str) -> str:

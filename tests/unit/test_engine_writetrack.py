@@ -63,8 +63,8 @@ class Helper:
         return int(self.process.stdout.readline())
 
     def close(self) -> None:
-        self.process.kill()
-        self.process.wait()
+        with self.process:  # reaped, and its pipes closed
+            self.process.kill()
 
 
 def tmpfs_dir() -> str:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -74,9 +74,12 @@ def test_warns():
 
 
 class Runner:
-    """A runner subprocess and its protocol."""
+    """A runner subprocess and its protocol; each one ends with the test that started it."""
+
+    started: ClassVar[list[Runner]] = []
 
     def __init__(self, project: Path, args: list[str]) -> None:
+        Runner.started.append(self)
         spec = project / "spec.json"
         spec.write_text(json.dumps({"args": args, "report_options": {"verbose": 0}, "sys_path": [str(project)]}))
         self.events = project / "events.log"
@@ -115,6 +118,11 @@ class Runner:
         _, err = self.process.communicate(timeout=30)
         return err.decode(errors="replace")
 
+    def close(self) -> None:
+        """Kill the runner if it still runs, reap it and close its pipes."""
+        with self.process:
+            self.process.kill()
+
     def events_so_far(self) -> list[str]:
         return self.events.read_text().splitlines() if self.events.exists() else []
 
@@ -129,8 +137,13 @@ def runner(tmp_path: Path) -> Iterator[Runner]:
          "-p", "no:forkd", "-p", "no:xdist", "-p", "no:randomly", str(tmp_path / "test_suite.py")],
     )  # fmt: skip
     yield started
-    started.process.kill()
-    started.process.wait(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _runners_end_with_their_test() -> Iterator[None]:
+    yield
+    while Runner.started:
+        Runner.started.pop().close()
 
 
 def test_it_collects_then_reports_ready(runner: Runner) -> None:
@@ -303,8 +316,7 @@ def configured(tmp_path: Path, **spec: Any) -> Runner:
     (tmp_path / "test_configured.py").write_text(CONFIGURED_SUITE)
     runner = Runner(tmp_path, ["--rootdir", str(tmp_path), *BASE_ARGS, str(tmp_path / "test_configured.py")])
     if spec:
-        runner.process.kill()
-        runner.process.wait(timeout=30)
+        runner.close()
         full = {
             "args": ["--rootdir", str(tmp_path), *BASE_ARGS, str(tmp_path / "test_configured.py")],
             "report_options": {"verbose": 0},
