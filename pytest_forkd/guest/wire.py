@@ -113,9 +113,11 @@ of the previous one silently, since nobody reads them any more.
 ``attach``
     ``pid``, optional ``window``: the reply of ``spawn`` again, for a process
     spawned earlier (typically before the snapshot this VM was restored
-    from), from what the guest still holds. The process's previous stream
-    ends with a ``Detached`` error (or silently, if it belonged to another
-    host client). ``NoSuchProcess`` if the agent does not know the pid.
+    from), from what the guest still holds. The stream has moved by the time
+    the ``pid`` frame goes: whatever the process writes after the host reads
+    that frame comes on this request. The process's previous stream ends
+    with a ``Detached`` error (or silently, if it belonged to another host
+    client). ``NoSuchProcess`` if the agent does not know the pid.
 ``stdin``
     ``pid``, optional ``close`` (bool); payload = bytes for the process's
     stdin (on a terminal: typed; ``close`` types Ctrl-D). Replies ``{size}``
