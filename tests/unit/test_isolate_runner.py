@@ -128,15 +128,14 @@ class Runner:
 
 
 @pytest.fixture
-def runner(tmp_path: Path) -> Iterator[Runner]:
+def runner(tmp_path: Path) -> Runner:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_suite.py").write_text(SUITE)
-    started = Runner(
+    return Runner(
         tmp_path,
         ["--rootdir", str(tmp_path), "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:terminal",
          "-p", "no:forkd", "-p", "no:xdist", "-p", "no:randomly", str(tmp_path / "test_suite.py")],
     )  # fmt: skip
-    yield started
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ from .common import RequestError
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from typing import Any
+    from typing import Any, NoReturn
 
 #: Where /init mounts the runtime inside an image root, given to the agent as FORKD_RUNTIME.
 RUNTIME_ENV = "FORKD_RUNTIME"
@@ -217,7 +217,7 @@ class _StartingAs:
         if _syscall()(ctypes.c_long(_IDENTITY_SYSCALLS[_MACHINE][2]), ctypes.c_long(len(groups)), listed) != 0:
             self._refuse()
 
-    def _refuse(self) -> None:
+    def _refuse(self) -> NoReturn:
         import ctypes
 
         code = ctypes.get_errno()
